@@ -1,0 +1,105 @@
+"""Calibration and evaluation text.
+
+Built-in corpus: the six Jane Austen novels (public domain), built by
+``scripts/build_corpus.py`` from Debian's ``r-cran-janeaustenr`` and shipped as
+``cpu_quant/data/austen/*.txt.gz``. Each novel is split at a paragraph boundary near
+``CALIBRATION_FRACTION`` of its length: the first part is the **calibration** split, the rest the
+**held-out** split. Fidelity is only ever measured on the held-out split.
+
+User calibration (``--calib``): a ``.txt`` file, a ``.jsonl`` file with a ``text`` field per
+line, or a directory holding such files (read in sorted order).
+
+Samples are ``seqlen``-token windows cut from the tokenised text at evenly spaced offsets, so
+the same inputs give the same samples on every machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from ..errors import CpuQuantError
+
+AUSTEN_DIR = Path(__file__).with_name("austen")
+NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice",
+          "sensesensibility")
+CALIBRATION_FRACTION = 0.5
+BUILTIN = "austen"
+
+
+def _novel(name: str) -> str:
+    with gzip.open(AUSTEN_DIR / f"{name}.txt.gz", "rt", encoding="utf-8") as fh:
+        return fh.read()
+
+
+def _split(text: str) -> tuple[str, str]:
+    cut = text.find("\n\n", int(len(text) * CALIBRATION_FRACTION))
+    cut = len(text) if cut < 0 else cut
+    return text[:cut], text[cut:].lstrip("\n")
+
+
+def builtin_split(split: str) -> list[str]:
+    """The built-in corpus' ``calibration`` or ``heldout`` split, one string per novel."""
+    if split not in ("calibration", "heldout"):
+        raise ValueError(f"unknown split {split!r}")
+    index = 0 if split == "calibration" else 1
+    return [_split(_novel(name))[index] for name in NOVELS]
+
+
+def _read_user_file(path: Path) -> list[str]:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if path.suffix == ".jsonl":
+        texts = []
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CpuQuantError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise CpuQuantError(f"{path}:{lineno}: each line needs a string field 'text'")
+            texts.append(record["text"])
+        return texts
+    raise CpuQuantError(f"{path}: calibration files must be .txt or .jsonl")
+
+
+def load_texts(calib: str | Path | None, split: str = "calibration") -> list[str]:
+    """Texts for ``--calib``: None or ``austen`` gives the built-in split."""
+    if calib is None or str(calib) == BUILTIN:
+        return builtin_split(split)
+    path = Path(calib)
+    if not path.exists():
+        raise CpuQuantError(f"calibration path {path} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+        if not files:
+            raise CpuQuantError(f"calibration directory {path} holds no .txt or .jsonl files")
+        return [t for f in files for t in _read_user_file(f)]
+    return _read_user_file(path)
+
+
+def token_windows(tokenizer, texts: list[str], n_samples: int, seqlen: int) -> list[list[int]]:
+    """``n_samples`` windows of exactly ``seqlen`` tokens, evenly spaced over the texts.
+
+    Raises a one-line error when the text is too short to give that many distinct tokens.
+    """
+    if n_samples < 1 or seqlen < 2:
+        raise CpuQuantError("--samples must be >= 1 and --seqlen >= 2")
+    ids: list[int] = []
+    for text in texts:
+        if text.strip():
+            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+    need = seqlen
+    if len(ids) < need:
+        raise CpuQuantError(
+            f"calibration text is too short: {len(ids)} tokens, need at least {need} "
+            f"(--seqlen {seqlen})")
+    span = len(ids) - seqlen
+    if n_samples == 1:
+        starts = [0]
+    else:
+        starts = [round(i * span / (n_samples - 1)) for i in range(n_samples)]
+    return [ids[s:s + seqlen] for s in starts]

@@ -1,0 +1,158 @@
+"""Writing artifacts atomically: a staging directory renamed into place only when complete.
+
+``StagedOutput(dst)`` creates ``.<name>.partial`` beside ``dst`` and takes the lock file
+``.<name>.lock`` (created with ``O_EXCL``; it holds the owner's pid, and a lock whose pid is
+gone is taken over). Shards are written into the staging directory; ``commit()`` renames it to
+``dst``. On any exception the staging directory is removed and ``dst`` is untouched, so a
+crash never leaves anything that looks like a finished artifact. ``OSError`` from a full disk
+or an unwritable directory becomes a one-line ``CpuQuantError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuQuantError
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe_os_error(exc: OSError, where: Path) -> str:
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device while writing {where}"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where}: {exc.strerror}"
+    return f"cannot write {where}: {exc.strerror or exc}"
+
+
+class StagedOutput:
+    def __init__(self, dst: str | Path, overwrite: bool = False) -> None:
+        self.dst = Path(dst).absolute()
+        self.overwrite = overwrite
+        self.staging = self.dst.parent / f".{self.dst.name}.partial"
+        self.lock = self.dst.parent / f".{self.dst.name}.lock"
+        self._locked = False
+
+    def __enter__(self) -> StagedOutput:
+        if self.dst.exists() and not self.overwrite:
+            raise CpuQuantError(f"output {self.dst} already exists (use --overwrite to replace it)")
+        parent = self.dst.parent
+        if not parent.is_dir():
+            raise CpuQuantError(f"output parent directory {parent} does not exist")
+        self._take_lock()
+        try:
+            if self.staging.exists():
+                shutil.rmtree(self.staging)
+            self.staging.mkdir()
+        except OSError as exc:
+            self._release_lock()
+            raise CpuQuantError(describe_os_error(exc, self.staging)) from None
+        return self
+
+    def _take_lock(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    pid = int(self.lock.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid and _pid_alive(pid):
+                    raise CpuQuantError(f"another cpu-quant run (pid {pid}) is writing {self.dst}; "
+                                        f"remove {self.lock} if it is not") from None
+                self.lock.unlink(missing_ok=True)
+                continue
+            except OSError as exc:
+                raise CpuQuantError(describe_os_error(exc, self.lock)) from None
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(os.getpid()))
+            self._locked = True
+            return
+        raise CpuQuantError(f"could not take the lock {self.lock}")
+
+    def _release_lock(self) -> None:
+        if self._locked:
+            self.lock.unlink(missing_ok=True)
+            self._locked = False
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            self._release_lock()
+        if isinstance(exc, OSError):
+            raise CpuQuantError(describe_os_error(exc, self.dst)) from None
+        return False
+
+    # -- writing -------------------------------------------------------------------------
+    def path(self, name: str) -> Path:
+        return self.staging / name
+
+    def write_json(self, name: str, obj: object) -> None:
+        tmp = self.path(name + ".tmp")
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path(name))
+
+    def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.path(name + ".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": "pt"})
+        os.replace(tmp, self.path(name))
+
+    def copy_tokenizer_files(self, src: Path) -> list[str]:
+        copied = []
+        for fname in TOKENIZER_FILES:
+            f = src / fname
+            if f.is_file():
+                try:
+                    f.resolve().relative_to(src.resolve())
+                except ValueError:
+                    raise CpuQuantError(f"{f} points outside the checkpoint directory") from None
+                shutil.copyfile(f, self.path(fname))
+                copied.append(fname)
+        return copied
+
+    def commit(self) -> Path:
+        try:
+            if self.dst.exists():
+                trash = self.dst.parent / f".{self.dst.name}.old"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(self.dst, trash)
+                os.replace(self.staging, self.dst)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(self.staging, self.dst)
+        except OSError as exc:
+            raise CpuQuantError(describe_os_error(exc, self.dst)) from None
+        return self.dst
+
+
+def write_shard_index(out: StagedOutput, shards: dict[str, list[str]], total_size: int) -> None:
+    """``model.safetensors.index.json`` mapping every tensor to its shard file."""
+    weight_map = {name: shard for shard, names in shards.items() for name in names}
+    out.write_json("model.safetensors.index.json",
+                   {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})

@@ -1,0 +1,154 @@
+"""Reading Hugging Face checkpoints at the edge: validated, lazy, never unpickling.
+
+A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` files (with
+``model.safetensors.index.json`` when sharded). Tensors are read lazily through memory-mapped
+``safe_open`` handles, one at a time, so a model larger than RAM can stream through.
+
+Refused with a one-line error: a missing directory or config, pickle checkpoints
+(``.bin``/``.pt``/``.pth``: loading them can execute code), a safetensors header that is not
+valid JSON or claims more bytes than the file holds, and an index that names missing files.
+NaN/Inf are checked per tensor as it is read (``Checkpoint.tensor(..., check_finite=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuQuantError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HEADER_LIMIT = 100 * 1024 * 1024
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """Parse and validate a safetensors header without touching the data."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CpuQuantError(f"{path.name}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > HEADER_LIMIT or 8 + n > size:
+            raise CpuQuantError(f"{path.name}: safetensors header claims {n} bytes, "
+                                f"the file has {size}")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CpuQuantError(f"{path.name}: corrupted safetensors header") from None
+    if not isinstance(header, dict):
+        raise CpuQuantError(f"{path.name}: corrupted safetensors header")
+    data_len = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CpuQuantError(f"{path.name}: tensor {name} has no valid data_offsets") from None
+        if not (0 <= start <= end <= data_len):
+            raise CpuQuantError(f"{path.name}: tensor {name} claims bytes {start}..{end}, "
+                                f"the file holds {data_len} (truncated?)")
+    return header
+
+
+def _inside(base: Path, path: Path) -> bool:
+    try:
+        path.resolve().relative_to(base.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint directory with lazy tensor access."""
+
+    path: Path
+    config: dict
+    files: dict[str, Path]  # tensor name -> file
+    headers: dict[Path, dict] = field(repr=False)
+    _handles: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def info(self, name: str) -> dict:
+        return self.headers[self.files[name]][name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.info(name)["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.info(name)["dtype"]
+
+    def tensor(self, name: str, check_finite: bool = False) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = safe_open(str(file), framework="pt")
+            self._handles[file] = handle
+        t = handle.get_tensor(name)
+        if check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CpuQuantError(f"tensor {name} contains NaN or Inf values")
+        return t
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    root = Path(path)
+    if not root.exists():
+        raise CpuQuantError(f"checkpoint directory {root} does not exist")
+    if not root.is_dir():
+        raise CpuQuantError(f"{root} is not a directory (expected a Hugging Face checkpoint)")
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise CpuQuantError(f"{root} has no config.json")
+    if not _inside(root, cfg_path):
+        raise CpuQuantError(f"{cfg_path} points outside the checkpoint directory")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CpuQuantError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CpuQuantError(f"{cfg_path}: expected a JSON object")
+    for other in root.iterdir():
+        if other.is_file() and not _inside(root, other):
+            raise CpuQuantError(f"{other.name} points outside the checkpoint directory")
+    st_files = sorted(root.glob("*.safetensors"))
+    if not st_files:
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise CpuQuantError(f"{root} holds only pickle weights ({pickles[0]}); cpu-quant "
+                                "never unpickles checkpoints: convert them to safetensors first")
+        raise CpuQuantError(f"{root} holds no .safetensors files")
+    headers = {f: read_safetensors_header(f) for f in st_files}
+    files: dict[str, Path] = {}
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CpuQuantError(f"{index.name}: no valid weight_map") from None
+        for name, fname in weight_map.items():
+            f = root / fname
+            if not _inside(root, f) or f not in headers:
+                raise CpuQuantError(f"{index.name}: {name} points to missing or outside file {fname}")
+            if name not in headers[f]:
+                raise CpuQuantError(f"{index.name}: {name} is not in {fname}")
+            files[name] = f
+    else:
+        for f, header in headers.items():
+            for name in header:
+                if name != "__metadata__":
+                    files[name] = f
+    return Checkpoint(root, config, files, headers)

@@ -1,0 +1,157 @@
+"""GPTQ (Frantar et al. 2022) and round-to-nearest on the 4-bit group grid, as pure tensor math.
+
+Inputs are a float weight ``W`` [N, K] and, for GPTQ, the Hessian ``H = 2 XᵀX / n`` [K, K]
+accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQuant`.
+
+* dampening: ``damp · mean(diag H)`` is added to the diagonal (default 1%); when the Cholesky
+  factorisation fails the factor is raised (×3 each time, up to 100%) and the used value is
+  reported;
+* the column sweep is blocked with lazy batch updates; the block is a multiple of the group
+  size so that a group never straddles two blocks and its scale search sees the fully updated
+  columns;
+* groups: without act-order, each group's scale is searched when the sweep reaches it, on the
+  error-compensated weights. With act-order, the scales are searched on the original weights
+  before the sweep ("static groups"), so the column order changes nothing in the saved layout
+  and ``g_idx`` stays ``k // g`` (vLLM rejects ``desc_act``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .grid import GroupQuant, dequantize_codes, grouped, quantize_codes
+from .scale_search import absmax_scales, search_asymmetric_scales, search_symmetric_scales
+
+DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """What grid to fit: symmetric (zero 0) or asymmetric; searched scales or plain absmax."""
+
+    symmetric: bool = True
+    scale_search: bool = True
+
+
+@dataclass
+class GPTQStats:
+    damp: float
+    damp_raised: bool
+
+
+def fit_group(w: torch.Tensor, importance: torch.Tensor | None, grid: GridSpec
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero) per group for w [..., g]; returns tensors of shape [..., 1]."""
+    if grid.symmetric:
+        if grid.scale_search:
+            return search_symmetric_scales(w, importance), None
+        return absmax_scales(w), None
+    if grid.scale_search:
+        return search_asymmetric_scales(w, importance)
+    from .scale_search import minmax_scales_zeros
+
+    return minmax_scales_zeros(w)
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int, grid: GridSpec,
+                 importance: torch.Tensor | None = None) -> GroupQuant:
+    """Round-to-nearest with (optionally) the weighted scale search. importance: [K] or None."""
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    wg = grouped(w, g)
+    imp = None if importance is None else grouped(importance.reshape(1, k).to(torch.float32), g)
+    scale, zero = fit_group(wg, imp, grid)
+    codes = quantize_codes(wg, scale, zero).to(torch.uint8).reshape(n, k)
+    return GroupQuant(codes, scale.squeeze(-1), None if zero is None else zero.squeeze(-1), g)
+
+
+def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, bool]:
+    mean_diag = torch.mean(torch.diag(h)).item()
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    for step in DAMP_STEPS:
+        used = damp * step
+        l, info = torch.linalg.cholesky_ex(h + used * mean_diag * eye)
+        if info.item() != 0:
+            continue
+        hinv = torch.cholesky_inverse(l)
+        u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+        if info.item() == 0:
+            return u, used, step != 1.0
+    raise ValueError(f"Hessian is not positive definite even with damping {damp * DAMP_STEPS[-1]:.2f}")
+
+
+def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, grid: GridSpec,
+                  *, act_order: bool = False, damp: float = 0.01, block_size: int = 128
+                  ) -> tuple[GroupQuant, GPTQStats]:
+    """GPTQ on the 4-bit group grid. weight [N, K] (any float dtype), hessian [K, K] float32."""
+    w = weight.to(torch.float32).clone()
+    h = hessian.to(torch.float32).clone()
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    if k % g:
+        raise ValueError(f"group size {g} does not divide in-features {k}")
+    n_groups = k // g
+
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    importance = torch.diag(h).clone()
+
+    scales = torch.zeros(n, n_groups)
+    zeros = None if grid.symmetric else torch.zeros(n, n_groups)
+    if act_order:  # static groups: searched once, on the original weights
+        s, z = fit_group(grouped(w, g), grouped(importance.reshape(1, k), g), grid)
+        scales = s.squeeze(-1)
+        if zeros is not None and z is not None:
+            zeros = z.squeeze(-1)
+        perm = torch.argsort(importance, descending=True)
+    else:
+        perm = torch.arange(k)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
+    group_of = torch.arange(k)[perm] // g  # group of each (permuted) column
+
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    block = max(block_size // g, 1) * g if not act_order else block_size
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            grp = int(group_of[col])
+            if not act_order and col % g == 0:
+                imp = importance[perm[col:col + g]].reshape(1, g)
+                s, z = fit_group(w1[:, i:i + g].unsqueeze(1), imp.unsqueeze(0), grid)
+                scales[:, grp] = s.reshape(n)
+                if zeros is not None and z is not None:
+                    zeros[:, grp] = z.reshape(n)
+            s_col = scales[:, grp]
+            z_col = None if zeros is None else zeros[:, grp]
+            q = quantize_codes(w1[:, i], s_col, z_col)
+            codes[:, col] = q.to(torch.uint8)
+            d = hinv1[i, i]
+            e = (w1[:, i] - dequantize_codes(q, s_col, z_col)) / d
+            w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    codes = codes[:, inv].contiguous()
+    return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised)
+
+
+def weighted_snr_db(reference: torch.Tensor, quantized: torch.Tensor,
+                    importance: torch.Tensor | None = None) -> float:
+    """10·log10(Σ d w² / Σ d (w - ŵ)²), with d the input-channel importance ([K]) or uniform."""
+    ref = reference.to(torch.float32)
+    err = ref - quantized.to(torch.float32)
+    d = torch.ones(ref.shape[1]) if importance is None else importance.to(torch.float32)
+    sig = (ref * ref * d).sum()
+    noise = (err * err * d).sum().clamp_min(1e-30)
+    return float(10.0 * torch.log10(sig / noise))

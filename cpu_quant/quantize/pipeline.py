@@ -1,0 +1,338 @@
+"""The quantization pipeline: checkpoint in -> plan -> per-tensor results -> layout on disk.
+
+``quantize_checkpoint(src, dst, settings, layout)`` streams the model one decoder layer at a
+time (``streaming.LayerStream``). For each layer it accumulates the Hessian ``H = 2 XᵀX / n``
+of every linear's input in float32 with forward hooks (over the activations produced by the
+already-quantized layers before it), quantizes every linear (GPTQ or RTN, ``gptq.py``), runs
+the layer again with its quantized weights to produce the next layer's inputs, and writes the
+layer's tensors as one shard. The head is quantized last, with the Hessian of the final
+normed hidden state. Output goes through ``io.artifact.StagedOutput``: nothing appears at
+``dst`` until the whole artifact is written.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CpuQuantError
+from ..io.artifact import StagedOutput, write_shard_index
+from ..io.checkpoint import open_checkpoint
+from .gptq import GridSpec, quantize_gptq, quantize_rtn, weighted_snr_db
+from .grid import GroupQuant
+from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
+from .streaming import LayerStream
+
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class QuantSettings:
+    method: str = "gptq"
+    group_size: int = 128
+    scale_search: bool = True
+    act_order: bool = False
+    damp: float = 0.01
+    quantize_head: bool = True
+    head_group: int | None = None  # None: same rule as every other module
+    strict_group: bool = False
+    calib: str | None = None  # None = built-in corpus; "none" = data-free (RTN only)
+    samples: int = 128
+    seqlen: int = 512
+    batch_size: int = 8
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise CpuQuantError(f"--method must be one of {', '.join(METHODS)}")
+        if self.method == "gptq" and self.calib == "none":
+            raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
+        if not 0 < self.damp <= 1:
+            raise CpuQuantError("--damp must be in (0, 1]")
+
+    @property
+    def data_free(self) -> bool:
+        return self.calib == "none"
+
+
+@dataclass
+class TensorReport:
+    name: str
+    shape: list[int]
+    group_size: int
+    weighted_snr_db: float
+    damp: float | None = None
+    damp_raised: bool = False
+
+
+@dataclass
+class QuantReport:
+    settings: dict
+    layout: str
+    tensors: list[TensorReport] = field(default_factory=list)
+    layer_seconds: list[float] = field(default_factory=list)
+    head_seconds: float = 0.0
+    total_seconds: float = 0.0
+    calibration_tokens: int = 0
+    plan_notes: list[str] = field(default_factory=list)
+    bits_per_weight: float = 0.0
+    bits_per_weight_on_disk: float = 0.0
+    head_quantized: bool = False
+    fidelity: dict | None = None
+    provenance: dict = field(default_factory=dict)
+
+
+class HessianAccumulator:
+    """Forward hooks that sum XᵀX (float32) of every hooked linear's input."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.h: dict[str, torch.Tensor] = {}
+        self.count: dict[str, int] = {}
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _hook(self, name: str) -> Callable:
+        def hook(module, inputs, output):
+            x = inputs[0]
+            # q/k/v (and gate/up) see the same input tensor: compute its XᵀX once.
+            if self._last is not None and self._last[0] is x:
+                xtx = self._last[1]
+            else:
+                x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+                xtx = x2.t() @ x2
+                self._last = (x, xtx)  # holding x keeps its identity unique
+            rows = x.numel() // x.shape[-1]
+            if name in self.h:
+                self.h[name] += xtx
+                self.count[name] += rows
+            else:
+                self.h[name] = xtx.clone()
+                self.count[name] = rows
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor:
+        return 2.0 * self.h[name] / max(self.count[name], 1)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._last = None
+
+
+def _quantize_one(weight: torch.Tensor, plan: LinearPlan, settings: QuantSettings, grid: GridSpec,
+                  hessian: torch.Tensor | None) -> tuple[GroupQuant, TensorReport]:
+    g = plan.group_size
+    importance = None if hessian is None else torch.diag(hessian)
+    if settings.method == "gptq" and hessian is not None:
+        gq, stats = quantize_gptq(weight, hessian, g, grid, act_order=settings.act_order,
+                                  damp=settings.damp)
+        damp, raised = stats.damp, stats.damp_raised
+    else:
+        gq = quantize_rtn(weight, g, grid, importance)
+        damp, raised = None, False
+    snr = weighted_snr_db(weight, gq.dequantize(), importance)
+    return gq, TensorReport(plan.name, list(weight.shape), g, round(snr, 3), damp, raised)
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(src: Path) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "source": str(src),
+        "cpu_quant": __version__,
+        "git_sha": _git_sha(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor]:
+    from transformers import AutoTokenizer
+
+    from ..data.corpus import load_texts, token_windows
+
+    tok = AutoTokenizer.from_pretrained(src)
+    windows = token_windows(tok, load_texts(settings.calib, "calibration"), settings.samples,
+                            settings.seqlen)
+    ids = torch.tensor(windows, dtype=torch.long)
+    return list(torch.split(ids, settings.batch_size))
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSettings, layout,
+                        *, overwrite: bool = False, progress: bool = True,
+                        on_layer: Callable[[int, int], None] | None = None) -> QuantReport:
+    from tqdm import tqdm
+
+    settings.validate()
+    src = Path(src)
+    t_start = time.perf_counter()
+    ckpt = open_checkpoint(src)
+    stream = LayerStream(ckpt)
+    grid = GridSpec(symmetric=layout.symmetric, scale_search=settings.scale_search)
+    report = QuantReport(settings=asdict(settings), layout=layout.name, provenance=provenance(src))
+
+    with StagedOutput(dst, overwrite=overwrite) as out:
+        batches = [] if settings.data_free else calibration_batches(src, settings)
+        report.calibration_tokens = sum(b.numel() for b in batches)
+        hidden = stream.capture(batches) if batches else []
+        n_shards = stream.n_layers + 1
+        shard_names: dict[str, list[str]] = {}
+        total_bytes = 0
+        plans: list[LinearPlan] = []
+        n_weights = 0
+        bits_codes = 0.0
+        bits_disk = 0.0
+
+        def write_shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
+            nonlocal total_bytes
+            fname = f"model-{index:05d}-of-{n_shards:05d}.safetensors"
+            out.write_tensors(fname, tensors)
+            shard_names[fname] = sorted(tensors)
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+
+        def account(gq: GroupQuant, tensors: dict[str, torch.Tensor]) -> None:
+            nonlocal n_weights, bits_codes, bits_disk
+            n, k = gq.codes.shape
+            n_weights += n * k
+            bits_codes += n * k * 4 + gq.scales.numel() * 16 + (0 if gq.zeros is None else gq.zeros.numel() * 16)
+            bits_disk += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+
+        layer_bar = tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress)
+        for i in layer_bar:
+            t0 = time.perf_counter()
+            layer = stream.load_layer(i)
+            linears = stream.linears(i)
+            layer_plans = {name: plan_linear(name, m.in_features, m.out_features,
+                                             settings.group_size, settings.strict_group)
+                           for name, m in linears.items()}
+            plans.extend(layer_plans.values())
+            acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
+            if hidden:
+                for _ in stream.forward_layer(i, hidden):
+                    pass
+            acc.close()
+            tensors: dict[str, torch.Tensor] = {}
+            for name, module in linears.items():
+                plan = layer_plans[name]
+                if not plan.quantize:
+                    continue
+                hess = acc.hessian(name) if name in acc.h else None
+                gq, trep = _quantize_one(module.weight.data, plan, settings, grid, hess)
+                report.tensors.append(trep)
+                module_tensors = layout.module_tensors(name, gq)
+                account(gq, module_tensors)
+                tensors.update(module_tensors)
+                module.weight.data = gq.dequantize().to(module.weight.dtype)
+            del acc
+            quantized_params = {f"{n}.weight" for n, p in layer_plans.items() if p.quantize}
+            for pname in stream.layer_param_names(i):
+                if pname not in quantized_params:
+                    tensors[pname] = ckpt.tensor(pname).to(torch.bfloat16)
+            if hidden:
+                hidden = list(stream.forward_layer(i, hidden))
+            stream.unload_layer(i)
+            write_shard(i + 1, tensors)
+            report.layer_seconds.append(round(time.perf_counter() - t0, 3))
+            if on_layer is not None:
+                on_layer(i, stream.n_layers)
+
+        # -- the outer tensors and the head --------------------------------------------------
+        t0 = time.perf_counter()
+        outer: dict[str, torch.Tensor] = {}
+        prefix = stream.layers_prefix + "."
+        head_src = stream.head_weight_name()
+        for name in ckpt.names:
+            if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+                continue
+            outer[name] = ckpt.tensor(name).to(torch.bfloat16)
+        head_w = ckpt.tensor(head_src, check_finite=True)
+        vocab, hidden_size = head_w.shape
+        head_group = settings.head_group or settings.group_size
+        head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, head_group, settings.strict_group,
+                                quantize=settings.quantize_head)
+        report.head_quantized = head_plan.quantize
+        if head_plan.quantize:
+            hess = None
+            if hidden:
+                norm = stream.final_norm()
+                acc_h = torch.zeros(hidden_size, hidden_size)
+                rows = 0
+                with torch.no_grad():
+                    for h in hidden:
+                        x = norm(h).reshape(-1, hidden_size).to(torch.float32)
+                        acc_h += x.t() @ x
+                        rows += x.shape[0]
+                hess = 2.0 * acc_h / rows
+            gq, trep = _quantize_one(head_w, head_plan, settings, grid, hess)
+            report.tensors.append(trep)
+            head_tensors = layout.module_tensors(HEAD_NAME, gq)
+            account(gq, head_tensors)
+            outer.update(head_tensors)
+        elif "lm_head.weight" in ckpt.names:
+            outer["lm_head.weight"] = head_w.to(torch.bfloat16)
+        elif head_plan.reason and settings.quantize_head:
+            report.plan_notes.append(f"lm_head kept bf16: {head_plan.reason}")
+        report.head_seconds = round(time.perf_counter() - t0, 3)
+        write_shard(n_shards, outer)
+        write_shard_index(out, shard_names, total_bytes)
+
+        all_plans = plans + [head_plan]
+        default_group = settings.group_size
+        dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason], default_group)
+        for p in all_plans:
+            if p.reason:
+                report.plan_notes.append(f"{p.name}: {p.reason}")
+        config = dict(ckpt.config)
+        config["dtype"] = "bfloat16"
+        config.pop("torch_dtype", None)
+        if head_plan.quantize:
+            config["tie_word_embeddings"] = False
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"]["tie_word_embeddings"] = False
+        config["quantization_config"] = layout.quantization_config(
+            default_group, head_plan.quantize, dynamic,
+            {"damp_percent": settings.damp, "quantizer": ["cpu-quant", report.provenance["cpu_quant"]],
+             "cpu_quant": {"method": settings.method, "scale_search": settings.scale_search,
+                           "act_order_static_groups": settings.act_order}})
+        out.write_json("config.json", config)
+        out.copy_tokenizer_files(src)
+        report.bits_per_weight = round(bits_codes / max(n_weights, 1), 4)
+        report.bits_per_weight_on_disk = round(bits_disk / max(n_weights, 1), 4)
+        report.total_seconds = round(time.perf_counter() - t_start, 3)
+        out.write_json("quantization_report.json", asdict(report))
+        final = out.commit()
+    ckpt.close()
+    report.provenance["output"] = str(final)
+    return report
+
+
+def update_report(dst: Path, **fields) -> dict:
+    path = Path(dst) / "quantization_report.json"
+    data = json.loads(path.read_text())
+    data.update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return data

@@ -1,0 +1,136 @@
+"""The quantization plan: which tensors are quantized, and with what group. One place only.
+
+Rules, in the spirit of llama.cpp's ``llama_tensor_get_type``:
+
+* every ``nn.Linear`` inside a decoder layer is quantized to 4 bits;
+* the output head (``lm_head``) is quantized unless ``--no-lm-head`` (it is the most sensitive
+  tensor and, left bf16, the costliest GEMM of a decode step);
+* the input embedding and all norms stay bf16;
+* group size: the requested one when it divides the in-features; otherwise the largest group
+  vLLM's CPU kernels accept (64, 32) that does, recorded as a per-module ``dynamic`` override so
+  that vLLM loads it (``--strict-group`` refuses instead); ``-1`` (one group per row) when
+  nothing divides;
+* a linear whose in- or out-features is not a multiple of 32 stays bf16: ``cpu_gemm_wna16``
+  cannot take it. It is recorded as a negative ``dynamic`` rule so vLLM leaves it unquantized.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..errors import CpuQuantError
+
+VLLM_GROUPS = (128, 64, 32)  # and -1
+DIM_MULTIPLE = 32
+# vLLM fuses these HF projections into one module; its `dynamic` regexes see the fused name.
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+HEAD_NAME = "lm_head"
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    name: str  # HF module name, e.g. model.layers.3.self_attn.q_proj
+    in_features: int
+    out_features: int
+    quantize: bool
+    group_size: int  # -1 = one group per row
+    reason: str = ""
+
+    @property
+    def effective_group(self) -> int:
+        return self.in_features if self.group_size == -1 else self.group_size
+
+
+def choose_group(name: str, in_features: int, requested: int, strict: bool) -> tuple[int, str]:
+    if requested == -1 or in_features % requested == 0:
+        return requested, ""
+    if strict:
+        raise CpuQuantError(f"--strict-group: group {requested} does not divide the in-features "
+                            f"{in_features} of {name}")
+    for g in VLLM_GROUPS:
+        if g < requested and in_features % g == 0:
+            return g, f"group {requested} does not divide in-features {in_features}; using {g}"
+    return -1, f"no accepted group divides in-features {in_features}; one group per row"
+
+
+def plan_linear(name: str, in_features: int, out_features: int, group_size: int,
+                strict_group: bool, quantize: bool = True) -> LinearPlan:
+    if group_size not in (*VLLM_GROUPS, -1):
+        raise CpuQuantError(f"--group must be one of 32, 64, 128 or -1 (vLLM's CPU kernels); "
+                            f"got {group_size}")
+    if not quantize:
+        return LinearPlan(name, in_features, out_features, False, group_size, "kept bf16 by request")
+    if in_features % DIM_MULTIPLE or out_features % DIM_MULTIPLE:
+        return LinearPlan(name, in_features, out_features, False, group_size,
+                          f"dims {out_features}x{in_features} are not multiples of {DIM_MULTIPLE}")
+    g, reason = choose_group(name, in_features, group_size, strict_group)
+    return LinearPlan(name, in_features, out_features, True, g, reason)
+
+
+def _role(name: str) -> tuple[str, str | None]:
+    """Split ``model.layers.7.mlp.up_proj`` into (``model.layers.{}.mlp.up_proj``, ``7``)."""
+    m = re.search(r"\.(\d+)\.", name)
+    if not m:
+        return name, None
+    return name[: m.start()] + ".{}." + name[m.end():], m.group(1)
+
+
+def _alternatives(leaf: str) -> list[str]:
+    """The leaf name plus the fused vLLM module it becomes part of, if any."""
+    names = [leaf]
+    for fused, parts in VLLM_FUSED.items():
+        if leaf in parts:
+            names.append(fused)
+    return names
+
+
+def dynamic_overrides(plans: list[LinearPlan], default_group: int) -> dict[str, dict]:
+    """GPTQModel/vLLM ``dynamic`` rules for every module that differs from the default.
+
+    Keys are ``re.match`` patterns over module names, written to match both the HF names
+    (GPTQModel, transformers) and vLLM's fused names (``qkv_proj``, ``gate_up_proj``).
+    ``+:`` rules override the group; ``-:`` rules leave a module unquantized.
+    """
+    by_role: dict[tuple[str, str], list[str | None]] = defaultdict(list)
+    role_count: dict[str, int] = defaultdict(int)
+    for p in plans:
+        role, idx = _role(p.name)
+        role_count[role] += 1
+        if not p.quantize:
+            by_role[(role, "-")].append(idx)
+        elif p.group_size != default_group:
+            by_role[(role, f"+{p.group_size}")].append(idx)
+    merged: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for (role, kind), idxs in sorted(by_role.items()):
+        prefix, _, leaf = role.rpartition(".")
+        if "{}" in prefix:
+            if len(idxs) == role_count[role]:
+                layer_pat = r"\d+"
+            else:
+                layer_pat = "(?:" + "|".join(sorted(set(i for i in idxs if i), key=int)) + ")"
+            head, _, tail = prefix.partition("{}")
+            prefix_pat = re.escape(head) + layer_pat + re.escape(tail) + r"\."
+        else:
+            prefix_pat = re.escape(prefix) + r"\." if prefix else ""
+        merged[(prefix_pat, kind)].update(_alternatives(leaf))
+    rules: dict[str, dict] = {}
+    for (prefix_pat, kind), leaves in merged.items():
+        pattern = prefix_pat + "(?:" + "|".join(sorted(leaves)) + ")$"
+        if kind == "-":
+            rules["-:" + pattern] = {}
+        else:
+            rules["+:" + pattern] = {"group_size": int(kind[1:])}
+    return rules
+
+
+def group_for_module(dynamic: dict[str, dict], name: str, default_group: int) -> int | None:
+    """The group a consumer applying ``dynamic`` (first match wins) gives ``name``; None = skip."""
+    for pattern, override in dynamic.items():
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], name):
+                return None
+        elif re.match(pattern.removeprefix("+:"), name):
+            return int(override.get("group_size", default_group))
+    return default_group

@@ -1,0 +1,188 @@
+"""Layer-streaming execution of a Hugging Face decoder-only model on calibration data.
+
+The model is built from its config with empty (meta) parameters, so nothing but one decoder
+layer at a time is ever materialised. ``LayerStream``:
+
+1. loads the non-layer parameters (embedding, final norm) from the memory-mapped checkpoint;
+2. replaces every decoder layer with a recorder and runs the model once per calibration batch,
+   capturing each layer's call arguments (position embeddings, masks, ...) and the embedding
+   output. This works for any architecture whose model loops over ``layers`` calling each
+   with the hidden states first, which is every decoder-only model in transformers;
+3. then, for layer ``i``: ``load_layer(i)`` materialises it from the checkpoint (checking that
+   config and tensors agree), the caller runs ``forward_layer`` as often as it needs, and
+   ``unload_layer(i)`` returns its memory.
+
+Peak memory is one layer's weights plus the calibration activations, whatever the depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import CpuQuantError
+from ..io.checkpoint import Checkpoint
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _Recorder(nn.Module):
+    def __init__(self, original: nn.Module, sink: list, stop: bool) -> None:
+        super().__init__()
+        self.sink = sink
+        self.stop = stop
+        for attr in ("attention_type", "layer_idx", "is_sliding"):
+            if hasattr(original, attr):
+                setattr(self, attr, getattr(original, attr))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append((hidden_states, args, kwargs))
+        if self.stop:
+            raise _StopForward
+        return hidden_states
+
+
+@dataclass
+class LayerCall:
+    args: tuple
+    kwargs: dict
+
+
+def _find_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers and name.endswith("layers"):
+            return name, module
+    raise CpuQuantError("cannot find the decoder layers of this model "
+                        "(only decoder-only transformers models are supported)")
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class LayerStream:
+    def __init__(self, ckpt: Checkpoint, trust_remote_code: bool = False) -> None:
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.ckpt = ckpt
+        try:
+            self.config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=trust_remote_code)
+        except Exception as exc:  # transformers raises many types for unknown configs
+            raise CpuQuantError(f"cannot read the model config: {str(exc).splitlines()[0]}") from None
+        for attr in ("use_cache",):
+            setattr(self.config, attr, False)
+        with init_empty_weights(include_buffers=False):
+            try:
+                self.model = AutoModelForCausalLM.from_config(
+                    self.config, dtype=COMPUTE_DTYPE, trust_remote_code=trust_remote_code)
+            except ValueError as exc:
+                raise CpuQuantError(f"unsupported model: {str(exc).splitlines()[0]}") from None
+        self.model.eval()
+        tcfg = text_config(self.config)
+        self.n_layers = int(tcfg.num_hidden_layers)
+        self.layers_prefix, self.layers = _find_layers(self.model, self.n_layers)
+        self.tied = bool(getattr(tcfg, "tie_word_embeddings", getattr(self.config, "tie_word_embeddings", False)))
+        self._check_tensor_names()
+        self._load_outer()
+        self.calls: list[list[LayerCall]] = []  # [layer][batch]
+
+    # -- checkpoint <-> model agreement -----------------------------------------------------
+    def _check_tensor_names(self) -> None:
+        params = dict(self.model.named_parameters())
+        buffers = {n for n, _ in self.model.named_buffers()}
+        names = set(self.ckpt.names)
+        missing = [n for n in params if n not in names and not (n == "lm_head.weight" and self.tied)]
+        if missing:
+            raise CpuQuantError(f"config disagrees with the tensors: {missing[0]} is missing "
+                                f"({len(missing)} missing in all)")
+        extra = sorted(n for n in names if n not in params and n not in buffers
+                       and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise CpuQuantError(f"config disagrees with the tensors: unexpected tensor {extra[0]} "
+                                f"({len(extra)} unexpected in all)")
+        for n, p in params.items():
+            if n in names and tuple(p.shape) != self.ckpt.shape(n):
+                raise CpuQuantError(f"config disagrees with the tensors: {n} has shape "
+                                    f"{list(self.ckpt.shape(n))}, the config implies {list(p.shape)}")
+
+    def _set_param(self, name: str, tensor: torch.Tensor) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        set_module_tensor_to_device(self.model, name, "cpu", value=tensor.to(COMPUTE_DTYPE))
+
+    def _load_outer(self) -> None:
+        prefix = self.layers_prefix + "."
+        for name, _ in list(self.model.named_parameters()):
+            if name.startswith(prefix) or name == "lm_head.weight":
+                continue
+            self._set_param(name, self.ckpt.tensor(name, check_finite=True))
+
+    def head_weight_name(self) -> str:
+        if "lm_head.weight" in self.ckpt.names:
+            return "lm_head.weight"
+        emb = self.model.get_input_embeddings()
+        for n, m in self.model.named_modules():
+            if m is emb:
+                return n + ".weight"
+        raise CpuQuantError("cannot find the output head weight")
+
+    def final_norm(self) -> nn.Module:
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        for attr in ("norm", "final_layernorm", "final_norm", "ln_f"):
+            if hasattr(decoder, attr):
+                return getattr(decoder, attr)
+        raise CpuQuantError("cannot find the final norm before the output head")
+
+    # -- calibration capture -------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Record every layer's call arguments; returns the embedding outputs per batch."""
+        originals = list(self.layers)
+        sinks: list[list] = [[] for _ in originals]
+        for i, layer in enumerate(originals):
+            self.layers[i] = _Recorder(layer, sinks[i], stop=i == len(originals) - 1)
+        hidden: list[torch.Tensor] = []
+        try:
+            for ids in batches:
+                try:
+                    self.model(input_ids=ids, use_cache=False)
+                except _StopForward:
+                    pass
+                hidden.append(sinks[0][-1][0])
+        finally:
+            for i, layer in enumerate(originals):
+                self.layers[i] = layer
+        self.calls = [[LayerCall(a, k) for (_, a, k) in sink] for sink in sinks]
+        return hidden
+
+    # -- one layer at a time ---------------------------------------------------------------
+    def layer_param_names(self, i: int) -> list[str]:
+        return [f"{self.layers_prefix}.{i}.{n}" for n, _ in self.layers[i].named_parameters()]
+
+    def load_layer(self, i: int) -> nn.Module:
+        for name in self.layer_param_names(i):
+            self._set_param(name, self.ckpt.tensor(name, check_finite=True))
+        return self.layers[i]
+
+    def unload_layer(self, i: int) -> None:
+        self.layers[i].to("meta")
+
+    @torch.no_grad()
+    def forward_layer(self, i: int, hidden: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        layer = self.layers[i]
+        for b, h in enumerate(hidden):
+            call = self.calls[i][b]
+            out = layer(h, *call.args, **call.kwargs)
+            yield out[0] if isinstance(out, tuple) else out
+
+    def linears(self, i: int) -> dict[str, nn.Linear]:
+        prefix = f"{self.layers_prefix}.{i}."
+        return {prefix + n: m for n, m in self.layers[i].named_modules() if isinstance(m, nn.Linear)}
