@@ -187,6 +187,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 
     settings.validate()
     src = Path(src)
+    if Path(dst).exists() and not overwrite:  # fail before any work, not after it
+        raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
     t_start = time.perf_counter()
     ckpt = open_checkpoint(src)
     stream = LayerStream(ckpt)

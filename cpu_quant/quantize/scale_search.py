@@ -46,12 +46,51 @@ def absmax_scales(w: torch.Tensor) -> torch.Tensor:
     return round_scale(w.abs().amax(-1, keepdim=True) / QZERO)
 
 
-def _refit_symmetric(w: torch.Tensor, d: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    a = q - QZERO
-    num = (d * w * a).sum(-1, keepdim=True)
-    den = (d * a * a).sum(-1, keepdim=True)
-    refit = torch.where(den > 0, num / den.clamp_min(1e-30), s)
-    return round_scale(refit)
+def _weights(w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    d = torch.ones_like(w) if importance is None else importance.to(torch.float32).expand_as(w)
+    # Channels that never fire carry no error signal; a tiny floor keeps the refit defined.
+    return d + 1e-12 * d.mean(-1, keepdim=True).clamp_min(1e-30)
+
+
+class _SymmetricSearch:
+    """Candidates scored in closed form.
+
+    For fixed codes ``a = q - 8`` the weighted error of any scale ``s`` is
+    ``E(s) = Σdw² - 2s·Σdwa + s²·Σda²``. A candidate's own codes are the nearest for it, so
+    ``E`` is exact there; for its refit ``s* = Σdwa / Σda²`` (rounded to bf16) it is an upper
+    bound of the error after re-rounding at ``s*`` (nearest codes can only do better). The
+    search keeps the minimum, so the returned scale's true error is at most the recorded one,
+    which is at most the absmax baseline's.
+    """
+
+    def __init__(self, w: torch.Tensor, d: torch.Tensor) -> None:
+        self.w, self.d = w, d
+        self.dw = d * w
+        self.sw2 = (self.dw * w).sum(-1, keepdim=True)
+        self.best_s = absmax_scales(w)
+        num, den = self._stats(self.best_s)
+        self.best_e = self._err(self.best_s, num, den)
+
+    def _stats(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+        a = torch.clamp(torch.round(self.w * inv), QMIN - QZERO, QMAX - QZERO)
+        num = (self.dw * a).sum(-1, keepdim=True)
+        den = (self.d * a * a).sum(-1, keepdim=True)
+        return num, den
+
+    def _err(self, s: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        return self.sw2 - 2 * s * num + s * s * den
+
+    def _keep(self, s: torch.Tensor, e: torch.Tensor) -> None:
+        better = e < self.best_e
+        self.best_e = torch.where(better, e, self.best_e)
+        self.best_s = torch.where(better, s, self.best_s)
+
+    def consider(self, s: torch.Tensor) -> None:
+        num, den = self._stats(s)
+        self._keep(s, self._err(s, num, den))
+        refit = round_scale(torch.where(den > 0, num / den.clamp_min(1e-30), s))
+        self._keep(refit, self._err(refit, num, den))
 
 
 def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,32 +100,14 @@ def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = N
     or None for uniform. Returns bf16-representable float32 scales of shape [..., 1].
     """
     w = w.to(torch.float32)
-    d = torch.ones_like(w) if importance is None else importance.to(torch.float32).expand_as(w)
-    # Channels that never fire carry no error signal; a tiny floor keeps the refit defined.
-    d = d + 1e-12 * d.mean(-1, keepdim=True).clamp_min(1e-30)
-    idx = w.abs().argmax(-1, keepdim=True)
-    extreme = torch.gather(w, -1, idx)  # signed value of largest magnitude
-
-    best_s = absmax_scales(w)
-    best_q = quantize_codes(w, best_s)
-    best_e = _weighted_error(w, d, best_q, best_s)
-
-    def consider(s: torch.Tensor) -> None:
-        nonlocal best_s, best_e
-        q = quantize_codes(w, s)
-        e = _weighted_error(w, d, q, s)
-        better = e < best_e
-        best_e = torch.where(better, e, best_e)
-        best_s = torch.where(better.unsqueeze(-1), s, best_s)
-
+    search = _SymmetricSearch(w, _weights(w, importance))
+    extreme = torch.gather(w, -1, w.abs().argmax(-1, keepdim=True))  # signed largest magnitude
     for div in SYM_DIVISORS:
         for sign in (-1.0, 1.0):
-            s = round_scale(sign * extreme / div)
-            consider(s)
-            consider(_refit_symmetric(w, d, quantize_codes(w, s), s))
+            search.consider(round_scale(sign * extreme / div))
     for _ in range(REFIT_ROUNDS):
-        consider(_refit_symmetric(w, d, quantize_codes(w, best_s), best_s))
-    return best_s
+        search.consider(search.best_s)
+    return search.best_s
 
 
 def weighted_error(w: torch.Tensor, scale: torch.Tensor, importance: torch.Tensor | None = None,
@@ -103,9 +124,7 @@ ASYM_SHRINK = tuple(1.0 - x / 40 for x in range(0, 13))  # 1.0 .. 0.7
 
 def minmax_scales_zeros(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain asymmetric RTN: [min, max] spread over the 16 levels. Shapes [..., 1]."""
-    lo = w.amin(-1, keepdim=True)
-    hi = w.amax(-1, keepdim=True)
-    return _scale_zero_for_range(lo, hi)
+    return _scale_zero_for_range(w.amin(-1, keepdim=True), w.amax(-1, keepdim=True))
 
 
 def _scale_zero_for_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,46 +134,56 @@ def _scale_zero_for_range(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Ten
     return s, z
 
 
-def _refit_asymmetric(w: torch.Tensor, d: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                      z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    a = q - QZERO
-    sd = d.sum(-1, keepdim=True)
-    sa = (d * a).sum(-1, keepdim=True)
-    saa = (d * a * a).sum(-1, keepdim=True)
-    sw = (d * w).sum(-1, keepdim=True)
-    saw = (d * a * w).sum(-1, keepdim=True)
-    det = sd * saa - sa * sa
-    ok = det.abs() > 1e-20 * (sd * saa).abs().clamp_min(1e-30)
-    safe = torch.where(ok, det, torch.ones_like(det))
-    s_new = torch.where(ok, (sd * saw - sa * sw) / safe, s)
-    z_new = torch.where(ok, (saa * sw - sa * saw) / safe, z)
-    return round_scale(s_new), round_scale(z_new)
+class _AsymmetricSearch:
+    """Closed-form scoring for ``w = a·s + z`` (``a = q - 8``), as in :class:`_SymmetricSearch`:
+    ``E(s, z) = Σdw² - 2sΣdwa - 2zΣdw + s²Σda² + 2szΣda + z²Σd``."""
+
+    def __init__(self, w: torch.Tensor, d: torch.Tensor) -> None:
+        self.w, self.d = w, d
+        self.dw = d * w
+        self.sw2 = (self.dw * w).sum(-1, keepdim=True)
+        self.sdw = self.dw.sum(-1, keepdim=True)
+        self.sd = d.sum(-1, keepdim=True)
+        self.best_s, self.best_z = minmax_scales_zeros(w)
+        self.best_e = self._err(self.best_s, self.best_z, *self._stats(self.best_s, self.best_z))
+
+    def _stats(self, s, z):
+        inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+        a = torch.clamp(torch.round((self.w - z) * inv), QMIN - QZERO, QMAX - QZERO)
+        da = self.d * a
+        return (self.dw * a).sum(-1, keepdim=True), (da * a).sum(-1, keepdim=True), da.sum(-1, keepdim=True)
+
+    def _err(self, s, z, swa, saa, sa):
+        return (self.sw2 - 2 * s * swa - 2 * z * self.sdw + s * s * saa + 2 * s * z * sa
+                + z * z * self.sd)
+
+    def _keep(self, s, z, e) -> None:
+        better = e < self.best_e
+        self.best_e = torch.where(better, e, self.best_e)
+        self.best_s = torch.where(better, s, self.best_s)
+        self.best_z = torch.where(better, z, self.best_z)
+
+    def consider(self, s: torch.Tensor, z: torch.Tensor) -> None:
+        swa, saa, sa = self._stats(s, z)
+        self._keep(s, z, self._err(s, z, swa, saa, sa))
+        det = self.sd * saa - sa * sa
+        ok = det.abs() > 1e-20 * (self.sd * saa).abs().clamp_min(1e-30)
+        safe = torch.where(ok, det, torch.ones_like(det))
+        s_new = round_scale(torch.where(ok, (self.sd * swa - sa * self.sdw) / safe, s))
+        z_new = round_scale(torch.where(ok, (saa * self.sdw - sa * swa) / safe, z))
+        self._keep(s_new, z_new, self._err(s_new, z_new, swa, saa, sa))
 
 
 def search_asymmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best (scale, zero) per group for ``w = (q-8) s + z``. Shapes [..., 1] each."""
     w = w.to(torch.float32)
-    d = torch.ones_like(w) if importance is None else importance.to(torch.float32).expand_as(w)
-    d = d + 1e-12 * d.mean(-1, keepdim=True).clamp_min(1e-30)
+    search = _AsymmetricSearch(w, _weights(w, importance))
     lo = w.amin(-1, keepdim=True)
     hi = w.amax(-1, keepdim=True)
-    best_s, best_z = _scale_zero_for_range(lo, hi)
-    best_e = _weighted_error(w, d, quantize_codes(w, best_s, best_z), best_s, best_z)
-
-    def consider(s: torch.Tensor, z: torch.Tensor) -> None:
-        nonlocal best_s, best_z, best_e
-        e = _weighted_error(w, d, quantize_codes(w, s, z), s, z)
-        better = e < best_e
-        best_e = torch.where(better, e, best_e)
-        best_s = torch.where(better.unsqueeze(-1), s, best_s)
-        best_z = torch.where(better.unsqueeze(-1), z, best_z)
-
     for f_lo in ASYM_SHRINK:
         for f_hi in ASYM_SHRINK:
-            s, z = _scale_zero_for_range(lo * f_lo, hi * f_hi)
-            consider(s, z)
-            consider(*_refit_asymmetric(w, d, quantize_codes(w, s, z), s, z))
+            search.consider(*_scale_zero_for_range(lo * f_lo, hi * f_hi))
     for _ in range(REFIT_ROUNDS):
-        consider(*_refit_asymmetric(w, d, quantize_codes(w, best_s, best_z), best_s, best_z))
-    return best_s, best_z
+        search.consider(search.best_s, search.best_z)
+    return search.best_s, search.best_z

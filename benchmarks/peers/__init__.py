@@ -1,0 +1,1 @@
+"""Peer tools measured against cpu-quant, each installed into its own environment."""

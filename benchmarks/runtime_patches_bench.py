@@ -1,0 +1,215 @@
+"""Benchmark of cpu_quant.runtime_patches: vLLM engine start (cold and warm compile cache) and
+RssAnon after start-up, stock vs patched, on the demo model's artifacts.
+
+    python -m benchmarks.runtime_patches_bench [--artifact LABEL=DIR ...] [--passes N]
+                                               [--smoke] [--out DIR] [--workdir DIR]
+
+One suite per artifact (default: ``bf16`` = the demo model, plus ``gptq`` = /tmp/q_gptq_small
+when it exists; ``--artifact`` replaces the defaults, e.g. ``--artifact int4=DIR`` for a
+``cpu_int4`` artifact), run by ``benchmarks.harness`` (interleaved A B / B A with the order
+rotated each pass, >= 3 passes, median and spread, paired B/A ratios, failures recorded,
+provenance: git SHA, package versions, artifact path + sha256, threads, CPU model).
+
+Arms, differing only in ``VLLM_PLUGINS`` (the A/B switch the plugin promises):
+
+``stock``    ``VLLM_PLUGINS=""``: no general plugin at all (the baseline)
+``patched``  ``VLLM_PLUGINS=cpu_quant``: only this project's plugin
+
+Every pass of an arm is one process, ``python -m benchmarks.runtime_patches_bench one-pass
+MODEL OUT.json``, that starts the engine twice through ``tests/runtime_patches_engine.py``
+(the same runner the tests use): a **cold** start with compilation (``enforce_eager`` off) into
+a fresh ``VLLM_CACHE_ROOT`` private to that arm and pass (compile caches key on config, so
+arms must never share one), then a **warm** start on the same cache. Both use
+``kv_cache_memory_bytes=128 MiB``, ``max_model_len=256``, bf16 activations, and
+``VLLM_CPU_KVCACHE_SPACE=""`` (ignored by vLLM when empty), ``VLLM_CPU_OMP_THREADS_BIND`` = every
+CPU of the affinity mask, so both arms allocate the same KV
+cache and the KV-budget patch cannot change the memory compared.
+
+Metrics (all lower-is-better):
+``cold_start_seconds``, ``warm_start_seconds``  ``LLM(...)`` construction time (imports excluded)
+``warm_over_cold``                          warm / cold within the pass
+``rss_anon_after_start_bytes``              RssAnon summed over the engine's process tree right
+                                            after the warm ``LLM(...)`` returned (model loaded,
+                                            warmed up, KV cache allocated)
+plus the harness' ``wall_seconds`` and ``peak_rss_anon_bytes`` of the whole pass process.
+Each pass checks that its knob is connected (MEASURING.md rule 4): the patched arm must log the
+plugin's lines, the stock arm none; whether the warm start loaded the AOT artifact or compiled
+again is recorded as an extra.
+
+This script uses the shared harness (benchmarks/harness.py); it is not registered as a
+``python -m benchmarks run`` suite because suites/ belongs to the harness owner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "tests" / "runtime_patches_engine.py"
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_GPTQ = Path("/tmp/q_gptq_small")
+KV_BYTES = 128 << 20
+ENGINE_TIMEOUT_S = 1800
+PASS_TIMEOUT_S = 2 * ENGINE_TIMEOUT_S + 60
+
+METRICS = [
+    Metric("cold_start_seconds", "s", "lower"),
+    Metric("warm_start_seconds", "s", "lower"),
+    Metric("warm_over_cold", "x", "lower"),
+    Metric("rss_anon_after_start_bytes", "B", "lower"),
+]
+ARMS = {"stock": "", "patched": "cpu_quant"}  # arm -> VLLM_PLUGINS
+
+
+# -- one pass (runs in its own process) --------------------------------------------------------
+def _start(model: str, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, str(ENGINE), model, "--compile", "--kv-bytes", str(KV_BYTES)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        sys.stderr.write(log[-4000:])
+        raise SystemExit(f"engine start failed with exit status {proc.returncode}")
+    result = json.loads(next(line for line in proc.stdout.splitlines()
+                             if line.startswith("RESULT "))[len("RESULT "):])
+    result.update({
+        "process_wall_seconds": wall,
+        "plugin_lines": log.count("cpu_quant patch "),
+        "saved_aot": "saved AOT compiled function" in log,
+        "loaded_aot": "Directly load AOT compilation" in log,
+        "compiled_again": "Compiling model again" in log,
+        "release_lines": [ln.split("] ", 1)[-1] for ln in log.splitlines()
+                          if "release_memory: after" in ln],
+    })
+    return result
+
+
+def one_pass(model: str, out: Path) -> None:
+    env = dict(os.environ)
+    cold = _start(model, env)
+    warm = _start(model, env)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"cold": cold, "warm": warm}, indent=1))
+    os.replace(tmp, out)
+
+
+# -- the suite ---------------------------------------------------------------------------------
+def omp_bind() -> str:
+    """Every CPU this process may run on, e.g. "0,1". vLLM's default ("auto") reserves one core
+    for the engine core process, which on a 2-core machine halves the model's threads."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def _command(model: Path, plugins: str):
+    def command(ctx: PassContext) -> Command:
+        env = {"VLLM_PLUGINS": plugins, "VLLM_CACHE_ROOT": str(ctx.workdir / "vllm-cache"),
+               "VLLM_CPU_KVCACHE_SPACE": "", "VLLM_LOGGING_LEVEL": "INFO",
+               "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
+        return Command([sys.executable, "-m", "benchmarks.runtime_patches_bench", "one-pass",
+                        str(model), str(ctx.workdir / "pass.json")], env=env, cwd=str(REPO),
+                       timeout=PASS_TIMEOUT_S)
+    return command
+
+
+def _read(ctx: PassContext) -> dict:
+    return json.loads((ctx.workdir / "pass.json").read_text())
+
+
+def _collect(patched: bool):
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        data = _read(ctx)
+        cold, warm = data["cold"], data["warm"]
+        for start in (cold, warm):
+            if patched and start["plugin_lines"] == 0:
+                raise HarnessError("patched arm: the cpu_quant plugin logged nothing")
+            if not patched and start["plugin_lines"] != 0:
+                raise HarnessError("stock arm: the cpu_quant plugin ran")
+        return {"cold_start_seconds": cold["start_seconds"],
+                "warm_start_seconds": warm["start_seconds"],
+                "warm_over_cold": warm["start_seconds"] / cold["start_seconds"],
+                "rss_anon_after_start_bytes": warm["anon_rss_bytes"]}
+    return collect
+
+
+def _extras(ctx: PassContext, run: RunRecord) -> dict:
+    data = _read(ctx)
+    return {phase: {k: data[phase][k] for k in
+                    ("process_wall_seconds", "kv_tokens", "anon_rss_bytes", "anon_rss_by_process",
+                     "saved_aot", "loaded_aot", "compiled_again", "release_lines", "text")}
+            for phase in ("cold", "warm")}
+
+
+def build_suite(label: str, model: Path) -> Suite:
+    arms = [Arm(name, {"VLLM_PLUGINS": plugins}, _command(model, plugins),
+                _collect(name == "patched"), extras=_extras)
+            for name, plugins in ARMS.items()]
+    import torch
+
+    return Suite(
+        name=f"runtime_patches-{label}",
+        description=("vLLM CPU engine start, cold and warm compile cache, and RssAnon after "
+                     f"start-up, stock vs cpu_quant plugin, on the {label} artifact"),
+        metrics=METRICS, arms=arms, baseline="stock",
+        settings={"artifact": label, "model": str(model), "kv_cache_memory_bytes": KV_BYTES,
+                  "max_model_len": 256, "dtype": "bfloat16", "enforce_eager": False,
+                  "VLLM_CPU_KVCACHE_SPACE": "", "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
+                  "torch_threads": torch.get_num_threads()},
+        inputs={label: model},
+        notes=["start times exclude interpreter start and imports (process_wall_seconds in the "
+               "extras include them)"],
+    )
+
+
+def default_artifacts() -> dict[str, Path]:
+    from cpu_quant.models.demo import demo_model_path
+
+    found = {"bf16": demo_model_path()}
+    if (DEFAULT_GPTQ / "config.json").is_file():
+        found["gptq"] = DEFAULT_GPTQ
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["one-pass"]:
+        one_pass(argv[1], Path(argv[2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", action="append", default=[], metavar="LABEL=DIR")
+    parser.add_argument("--passes", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    artifacts = default_artifacts() if not args.artifact else {
+        a.split("=", 1)[0]: Path(a.split("=", 1)[1]) for a in args.artifact}
+    for label, path in artifacts.items():
+        if not (path / "config.json").is_file():
+            parser.error(f"--artifact {label}={path}: no config.json there")
+    passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    failed = 0
+    for label, model in artifacts.items():
+        workdir = Path(args.workdir or f"/tmp/cpu-quant-bench/runtime_patches-{stamp}") / label
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            result, _ = run_suite(build_suite(label, model), passes, args.smoke, Path(args.out),
+                                  workdir)
+        except HarnessError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        failed += result["failed_passes"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

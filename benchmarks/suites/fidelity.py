@@ -1,0 +1,311 @@
+"""Suite ``fidelity``: every method's artifact, evaluated against the bf16 source by one code path.
+
+Each arm builds its artifact once (the harness' build step, recorded with its exit status,
+time and peak RssAnon), then every pass runs ``cpu-quant eval ARTIFACT --reference SRC`` on the
+held-out split of the built-in corpus (``cpu_quant.eval.fidelity``: never calibration text)
+and reads its JSON. GPTQModel's artifact is a v1 GPTQ checkpoint (``checkpoint_format:
+"gptq"``, ``qzeros`` words ``0x77777777``, fp16 scales) that ``cpu_quant.eval.dequantized``
+reads like ours, so all arms go through the same dequantizer and the same evaluation.
+
+The arms are the rows of ``ARMS`` (add a method by adding one row):
+
+=========================  =======================================================================
+``rtn``                    round-to-nearest, absmax scales, data-free (``--calib none``)
+``rtn+search``             RTN with the weighted scale search (importance from calibration E[x²])
+``gptq``                   GPTQ, static scale search, head bf16
+``gptq+act-order``         GPTQ with act-order and static groups (``g_idx`` stays trivial)
+``gptq+head``              GPTQ with the output head quantized too (cpu-quant's default)
+``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
+``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
+``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
+=========================  =======================================================================
+
+Every arm except ``gptq+head`` keeps the head bf16, as the issue's comparison asks. Calibration
+is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVAL_SMOKE``).
+
+``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
+``quantize`` suite) instead of building it: admitted only if its ``quantization_report.json``
+(cpu-quant) or ``gptqmodel_run.json`` (GPTQModel: same calibration windows by sha256, same
+groups, head and symmetry) matches the arm, and hashed into the provenance like any artifact.
+
+Metrics: ``kl_mean`` (nats, lower), ``ppl_delta`` (quantized − reference perplexity, lower),
+``top1_agreement`` (higher), ``greedy_prefix_fraction`` (higher), ``greedy_exact`` (prompts
+reproduced exactly, higher). The evaluation is deterministic, so the spread over passes is
+expected to be 0: a non-zero spread would flag non-determinism. Extras per pass: perplexities,
+bits per weight (``quantize.gptq_artifact_bits`` for every GPTQ artifact alike) and, once per
+arm, the per-layer weight SNR of the dequantized artifact against the source.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..harness import Arm, Command, Metric, PassContext, RunRecord, Suite
+from ..peers import gptqmodel_env
+from . import quantize as q
+
+# 16 x 512 scored positions per pass keep 8 arms x 3 passes within an hour on 2 cores
+EVAL_REAL = {"windows": 16, "seqlen": 512, "prompts": 12, "new_tokens": 32}
+EVAL_SMOKE = {"windows": 2, "seqlen": 64, "prompts": 2, "new_tokens": 4}
+
+METRICS = [
+    Metric("kl_mean", "nats", "lower"),
+    Metric("ppl_delta", "ppl", "lower", ratio=False),
+    Metric("top1_agreement", "fraction", "higher"),
+    Metric("greedy_prefix_fraction", "fraction", "higher"),
+    Metric("greedy_exact", "prompts", "higher"),
+]
+
+
+@dataclass(frozen=True)
+class FidelityArm:
+    name: str
+    description: str
+    tool: str  # "cpu-quant" or "gptqmodel"
+    subcommand: str = "gptq"  # cpu-quant only
+    flags: tuple[str, ...] = ()  # cpu-quant only
+    matched_groups: bool = True  # gptqmodel only: apply cpu-quant's group-64 dynamic rules
+
+
+NO_HEAD = "--no-lm-head"
+ARMS: tuple[FidelityArm, ...] = (
+    FidelityArm("rtn", "RTN, absmax scales, data-free", "cpu-quant",
+                flags=("--method", "rtn", "--calib", "none", "--no-scale-search", NO_HEAD)),
+    FidelityArm("rtn+search", "RTN + weighted scale search", "cpu-quant",
+                flags=("--method", "rtn", NO_HEAD)),
+    FidelityArm("gptq", "GPTQ (static scale search)", "cpu-quant",
+                flags=("--method", "gptq", NO_HEAD)),
+    FidelityArm("gptq+act-order", "GPTQ, act-order + static groups", "cpu-quant",
+                flags=("--method", "gptq", "--act-order", NO_HEAD)),
+    FidelityArm("gptq+head", "GPTQ, output head quantized too", "cpu-quant",
+                flags=("--method", "gptq")),
+    FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",
+                subcommand="tinygemm", flags=(NO_HEAD,)),
+    FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),
+    FidelityArm("gptqmodel-g128-native", "GPTQModel 7.6.0, plain group 128", "gptqmodel",
+                matched_groups=False),
+)
+
+
+def cli_commands() -> set[str]:
+    from cpu_quant.cli import main
+
+    return set(main.commands)
+
+
+def eval_argv(artifact: Path, src: Path, ev: dict, out: Path) -> list[str]:
+    return [*q.CLI, "eval", str(artifact), "--reference", str(src),
+            "--windows", str(ev["windows"]), "--seqlen", str(ev["seqlen"]),
+            "--prompts", str(ev["prompts"]), "--new-tokens", str(ev["new_tokens"]),
+            "--json", str(out)]
+
+
+def artifact_bits(path: Path) -> float | None:
+    try:
+        return q.gptq_artifact_bits(path)["bits_per_weight"]
+    except ValueError:  # not GPTQ: trust the tool's own report when it has one
+        report = path / "quantization_report.json"
+        return json.loads(report.read_text()).get("bits_per_weight") if report.is_file() else None
+
+
+@functools.cache
+def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
+    """Weight SNR (dB) per decoder layer: 10·log10(Σ‖W‖² / Σ‖W − Ŵ‖²) over its quantized linears.
+
+    Unweighted by activations, so it is a view of the weights, not of the outputs (GPTQ trades
+    weight error for output error); the KL above is the measure that matters.
+    """
+    import re
+
+    from cpu_quant.eval.dequantized import READERS
+    from cpu_quant.io.checkpoint import open_checkpoint
+
+    qck, src = open_checkpoint(artifact), open_checkpoint(source)
+    qcfg = qck.config.get("quantization_config") or {}
+    marker, _, reader = READERS[qcfg["quant_method"]]
+    sig: dict[str, float] = {}
+    err: dict[str, float] = {}
+    for name in qck.names:
+        if not name.endswith("." + marker):
+            continue
+        module = name[: -len(marker) - 1]
+        m = re.search(r"\.layers\.(\d+)\.", module)
+        key = m.group(1) if m else module
+        w_hat = reader(qck, module, qcfg).float()
+        src_name = f"{module}.weight"
+        if src_name not in src.files and module == "lm_head":
+            src_name = "model.embed_tokens.weight"  # tied head
+        w = src.tensor(src_name).float()
+        sig[key] = sig.get(key, 0.0) + float((w * w).sum())
+        err[key] = err.get(key, 0.0) + float(((w - w_hat) ** 2).sum())
+    qck.close()
+    src.close()
+    return {k: round(10 * math.log10(sig[k] / err[k]), 3) if err[k] > 0 else math.inf
+            for k in sorted(sig, key=lambda s: (not s.isdigit(), int(s) if s.isdigit() else 0))}
+
+
+def _collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+    fid = json.loads((ctx.workdir / "fidelity.json").read_text())
+    return {m.name: float(fid[m.name]) for m in METRICS}
+
+
+ArtifactOf = Callable[[PassContext], Path]
+
+
+def _artifact_resolver(prebuilt: Path | None) -> ArtifactOf:
+    """Where an arm's artifact is: given on the command line, or made by its build step."""
+    if prebuilt is not None:
+        return lambda ctx: prebuilt
+    return lambda ctx: ctx.build_dir / "artifact"
+
+
+def _extras(src: Path, artifact_of: ArtifactOf):
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        fid = json.loads((ctx.workdir / "fidelity.json").read_text())
+        artifact = artifact_of(ctx)
+        out = {"ppl_reference": fid["ppl_reference"], "ppl_quantized": fid["ppl_quantized"],
+               "tokens": fid["tokens"], "bits_per_weight": artifact_bits(artifact),
+               "eval_seconds": run.wall_seconds}
+        if ctx.pass_index == 0:
+            out["per_layer_weight_snr_db"] = per_layer_weight_snr(str(artifact), str(src))
+            out["greedy_examples"] = fid.get("greedy_examples", [])[:2]
+        return out
+    return extras
+
+
+def _eval_command(src: Path, ev: dict, timeout: float, artifact_of: ArtifactOf,
+                  verify: Callable[[Path], None]):
+    def command(ctx: PassContext) -> Command:
+        # before spending an evaluation: the artifact must be this arm's (a prebuilt one too)
+        verify(artifact_of(ctx))
+        argv = eval_argv(artifact_of(ctx), src, ev, ctx.workdir / "fidelity.json")
+        return Command(argv, timeout=timeout)
+    return command
+
+
+def cpu_quant_fidelity_arm(spec: FidelityArm, src: Path, settings: dict, ev: dict,
+                           timeout: float, prebuilt: Path | None = None) -> Arm:
+    artifact_of = _artifact_resolver(prebuilt)
+
+    def build_cmd(bdir: Path) -> Command:
+        argv = q.cpu_quant_gptq_argv(src, bdir / "artifact", settings, list(spec.flags))
+        argv[len(q.CLI)] = spec.subcommand
+        return Command(argv, timeout=timeout)
+
+    def verify(artifact: Path) -> None:
+        q.check_cpu_quant_report(artifact, settings, list(spec.flags))
+
+    return Arm(spec.name, {"description": spec.description, "tool": "cpu-quant",
+                           "command": spec.subcommand, "flags": list(spec.flags), **settings,
+                           "eval": ev, "prebuilt": str(prebuilt) if prebuilt else None},
+               _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
+               build=None if prebuilt else build_cmd,
+               artifacts=lambda ctx: {"artifact": artifact_of(ctx)},
+               extras=_extras(src, artifact_of))
+
+
+def check_gptqmodel_artifact(artifact: Path, windows: Path, settings: dict,
+                             dynamic: dict | None) -> None:
+    """A GPTQModel artifact belongs to this arm: same windows (by hash), groups and head."""
+    from ..provenance import artifact_digest
+
+    run = json.loads((artifact / "gptqmodel_run.json").read_text())
+    spec = run["spec"]
+    problems = []
+    if artifact_digest(spec["windows"])["sha256"] != artifact_digest(windows)["sha256"]:
+        problems.append("calibration windows differ")
+    for key, want in (("group_size", settings["group"]), ("lm_head", False),
+                      ("desc_act", False), ("sym", True), ("dynamic", dynamic)):
+        if spec.get(key) != want:
+            problems.append(f"{key} is {spec.get(key)!r}, the arm wants {want!r}")
+    if problems:
+        raise ValueError(f"{artifact} is not this arm's artifact: " + "; ".join(problems))
+
+
+def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, windows: Path, settings: dict,
+                           ev: dict, timeout: float, dynamic: dict,
+                           prebuilt: Path | None = None) -> Arm:
+    dyn = dynamic if spec.matched_groups else None
+    artifact_of = _artifact_resolver(prebuilt)
+
+    def build_cmd(bdir: Path) -> Command:
+        env = q.peer_env()
+        spec_file = bdir / "spec.json"
+        spec_file.write_text(json.dumps(q.gptqmodel_spec(src, bdir / "artifact", windows,
+                                                         settings, dyn), indent=2))
+        return Command([str(env.python), str(gptqmodel_env.RUNNER), str(spec_file)],
+                       env=dict(q.GPTQMODEL_ENV), timeout=timeout)
+
+    def verify(artifact: Path) -> None:
+        check_gptqmodel_artifact(artifact, windows, settings, dyn)
+
+    return Arm(spec.name, {"description": spec.description,
+                           "tool": f"gptqmodel=={gptqmodel_env.GPTQMODEL_VERSION}",
+                           "dynamic": dyn, "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
+                           "prebuilt": str(prebuilt) if prebuilt else None},
+               _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
+               build=None if prebuilt else build_cmd,
+               artifacts=lambda ctx: {"artifact": artifact_of(ctx)},
+               extras=_extras(src, artifact_of))
+
+
+def build(opts: q.SuiteOptions) -> Suite:
+    settings = dict(q.SMOKE if opts.smoke else q.REAL)
+    ev = dict(EVAL_SMOKE if opts.smoke else EVAL_REAL)
+    timeout = q.TIMEOUT_SMOKE if opts.smoke else q.TIMEOUT_REAL
+    src = q.source_model(opts)
+    windows = q.write_calibration_windows(src, settings,
+                                          opts.workdir / "inputs" / "calibration_windows.json")
+    dynamic = q.matched_dynamic(src, settings["group"])
+    if not opts.smoke and opts.install_peers:
+        gptqmodel_env.install()  # no-op when present; a real run never skips the peer
+    commands = cli_commands()
+    notes = ["All arms are evaluated by `cpu-quant eval` (cpu_quant.eval.fidelity) on the "
+             "held-out split; GPTQModel's v1 GPTQ checkpoints are read by the same dequantizer.",
+             "rtn is data-free; every other cpu-quant arm and both GPTQModel arms calibrate on "
+             "the same token windows."]
+    skipped = []
+    arms: list[Arm] = []
+    prebuilt = {k: Path(v).resolve() for k, v in (opts.prebuilt or {}).items()}
+    for spec in ARMS:
+        if spec.tool == "cpu-quant":
+            if spec.subcommand not in commands:
+                notes.append(f"{spec.name}: not measured: cpu-quant has no "
+                             f"`{spec.subcommand}` command at this commit")
+                continue
+            arms.append(cpu_quant_fidelity_arm(spec, src, settings, ev, timeout,
+                                               prebuilt.pop(spec.name, None)))
+        else:
+            skip = q.gptqmodel_skip(opts)
+            if skip:
+                skipped.append(type(skip)(spec.name, skip.reason))
+                continue
+            arms.append(gptqmodel_fidelity_arm(spec, src, windows, settings, ev, timeout,
+                                               dynamic, prebuilt.pop(spec.name, None)))
+    if prebuilt:
+        raise ValueError(f"--artifact names unknown arm(s): {', '.join(sorted(prebuilt))}")
+    wanted = opts.arms
+    arms = q.select(arms, [w for w in wanted if w not in {s.arm for s in skipped}]
+                    if wanted else None)
+    baseline = "gptqmodel" if any(a.name == "gptqmodel" for a in arms) else (
+        arms[0].name if arms else None)
+    return Suite(
+        name="fidelity",
+        description="KL, perplexity delta, top-1 agreement and greedy reproduction against the "
+                    "bf16 source on held-out text, for each method, all through one evaluator",
+        metrics=METRICS,
+        arms=arms,
+        settings={"source": str(src), **settings, "eval": ev, "matched_dynamic": dynamic},
+        baseline=baseline,
+        skipped=skipped,
+        inputs={"source_model": src, "calibration_windows": windows},
+        peers=q.peer_description(),
+        notes=notes,
+        keep_artifacts="last",
+    )
+

@@ -1,0 +1,83 @@
+"""``cpu-quant export-phone``: the thin CLI over ``pipeline.export_phone``."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import CpuQuantError
+from .pipeline import DEFAULT_SCHEME, PhoneExportSettings
+from .pipeline import export_phone as run_export_phone
+from .qnn import DEFAULT_SOC
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def print_summary(report: dict, out: str) -> None:
+    v = report["verification"]
+    pq, pf, qf = v["pte_vs_quantized"], v["pte_vs_float"], v["quantized_vs_float"]
+    lines = [f"wrote {out}  ({report['backend']} {report['scheme']})"]
+    for name, info in report["produced"].items():
+        lines.append(f"  {name:<18} {_mib(info['bytes']):>11}  {info['what']}")
+    sizes = report["sizes"]
+    lines.append(f"  size vs float32 program: {sizes['ratio_vs_float32']:.3f} "
+                 f"({_mib(sizes['float32_bytes'])} unquantized)")
+    cal = report["calibration"]
+    lines.append(f"  calibration: {cal['samples']} samples ({cal.get('source') or 'none'})")
+    lines.append(f"  held-out: {v['heldout_tokens']} tokens in {v['heldout_windows']} windows")
+    lines.append(f"  {'':<22}{'SNR dB':>8}{'top-1':>8}{'KL':>10}")
+    for label, c in (("pte vs quantized eager", pq), ("pte vs float", pf),
+                     ("quantized vs float", qf)):
+        lines.append(f"  {label:<22}{str(c['snr_db']):>8}{c['top1_agreement']:>8.3f}"
+                     f"{c['mean_kl']:>10.4f}")
+    lines.append(f"  decode SNR vs quantized eager: {v['decode_snr_db_vs_quantized']} dB; "
+                 f"perplexity {v['perplexity']}")
+    for g in v["greedy"]:
+        lines.append(f"  greedy {g['prompt']!r} -> {g['pte_text']!r} "
+                     f"({g['matching_prefix_vs_quantized']}/{len(g['pte_tokens'])} tokens "
+                     "match the quantized eager graph)")
+    if report.get("qnn_lowering") == "not-done":
+        lines.append("  NOT lowered to the HTP (QNN_SDK_ROOT unset): model.pte runs on ExecuTorch's "
+                     "portable CPU kernels; qnn_*.pt2 are the calibrated programs for QNN lowering.")
+        lines.append("  next: " + report["qnn_next_step"])
+    click.echo("\n".join(lines))
+
+
+@click.command("export-phone")
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--backend", type=click.Choice(["qnn", "xnnpack"]), default="qnn", show_default=True,
+              help="qnn: Qualcomm HTP (w8a16, calibrated); xnnpack: phone CPU.")
+@click.option("--scheme", default=None,
+              help=f"qnn: w8a16 (default {DEFAULT_SCHEME['qnn']}); xnnpack: 8da8w, 8da4w or "
+                   f"fp32 (default {DEFAULT_SCHEME['xnnpack']}).")
+@click.option("--max-seq-len", type=int, default=512, show_default=True,
+              help="Static KV-cache length (prompt + generated tokens).")
+@click.option("--prefill-len", type=int, default=64, show_default=True,
+              help="Tokens per prefill call (capped at --max-seq-len).")
+@click.option("--calib", default=None,
+              help="Calibration text: .txt, .jsonl or a directory; default: built-in corpus.")
+@click.option("--calib-samples", type=int, default=16, show_default=True,
+              help="Calibration windows (qnn); 0 = uncalibrated, for comparison only.")
+@click.option("--group-size", type=int, default=32, show_default=True, help="8da4w group size.")
+@click.option("--soc", default=DEFAULT_SOC, show_default=True,
+              help="Qualcomm SoC for the HTP lowering (used only with QNN_SDK_ROOT).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def export_phone(src: str, out: str, backend: str, scheme: str | None, max_seq_len: int,
+                         prefill_len: int, calib: str | None, calib_samples: int,
+                         group_size: int, soc: str, overwrite: bool, quiet: bool) -> None:
+    """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT."""
+    settings = PhoneExportSettings(
+        backend=backend, scheme=scheme, max_seq_len=max_seq_len, prefill_len=prefill_len,
+        calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc)
+    try:
+        report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
+    except CpuQuantError as exc:
+        click.echo(f"cpu-quant export-phone: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    print_summary(report, out)
+

@@ -1,0 +1,475 @@
+"""The ``cpu_int4`` layout: W4A16 checkpoints for PyTorch's tinygemm CPU kernel.
+
+The kernel is ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)``
+(bf16 activations, 4-bit weights, float32 accumulation, bf16 output). Its packed weight depends
+on the ISA path torch dispatches to (AVX-512, AVX2, the default path), so the checkpoint stores a
+portable layout and the runtime builds the kernel's at load time.
+
+On disk (portable)
+==================
+
+Per quantized linear ``<m>`` with out-features ``N``, in-features ``K`` and group ``g``:
+
+==================  ========  ==========  ====================================================
+tensor              dtype     shape       content
+==================  ========  ==========  ====================================================
+``weight_packed``   uint8     [N, K/2]    two codes per byte, low nibble first:
+                                          ``weight_packed[n, j] = q[n, 2j] | q[n, 2j+1] << 4``,
+                                          ``q ∈ [0, 15]``
+``weight_scale``    bfloat16  [N, K/g]    ``scale[n, i]`` of group ``i`` (columns ``ig..ig+g-1``)
+``weight_zero``     bfloat16  [N, K/g]    ``zero[n, i]``, a float offset (not a code)
+==================  ========  ==========  ====================================================
+
+Dequantization: ``w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``, in float32
+(the product is exact; the sum is rounded once), which is what the kernel computes. The
+symmetric grid (``--sym``, or a GPTQ repack) is the special case ``zero == 0``. Scales may be
+negative (see ``quantize/grid.py``).
+
+``quantization_config`` (in ``config.json``):
+
+* ``quant_method``: ``"cpu_int4"``; ``format_version``: 1 (this docstring);
+* ``bits``: 4; ``group_size``: the default group, one of 32, 64, 128, 256 (the kernel's);
+* ``sym``: true when every zero is 0 (informational: the runtime always reads the zeros);
+* ``lm_head``: the output head is quantized (its tensors are ``lm_head.weight_*``);
+* ``dynamic``: per-module overrides, the GPTQModel/vLLM convention shared with the GPTQ layout
+  (``quantize/plan.py``): ``"+:<regex>": {"group_size": G}`` gives matching modules group
+  ``G``; ``"-:<regex>": {}`` leaves them bf16 (``<m>.weight``). Regexes are ``re.match``-ed
+  against both the Hugging Face names and vLLM's fused names (``qkv_proj``, ``gate_up_proj``);
+  the first matching rule wins;
+* ``embedding``: ``"bf16"``: the input embedding is stored unquantized (``docs/tinygemm.md``
+  has the measurement behind keeping it bf16 rather than sharing the 4-bit head);
+* provenance: ``quantizer``, ``damp_percent``, ``cpu_quant`` (method, scale search), as written
+  by the pipeline.
+
+The kernel layout (built at load, never on disk)
+================================================
+
+``torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes int32 [N, K], _)`` returns uint8
+``[N, K/2]``; measured on this machine's three ISA paths (``ATEN_CPU_CAPABILITY``), torch 2.13:
+
+* rows form output blocks of ``BN`` rows: 64 on AVX-512, 32 on AVX2 and on the default path;
+  the last block holds ``N mod BN`` rows when ``BN`` does not divide ``N``;
+* a block of ``size`` rows starting at row ``r`` occupies rows ``r .. r+size-1`` of the
+  ``[N, K/2]`` view, stored K-major: byte ``(k, j)`` of the block is at ``k * size/2 + j``;
+* a full block on AVX-512 and AVX2 is *split*: byte ``j`` holds row ``j`` in the low nibble and
+  row ``j + BN/2`` in the high nibble;
+* a partial block (16, 32 or 48 rows), and every block on the default path, is *paired*:
+  byte ``j`` holds row ``2j`` (low nibble) and row ``2j + 1`` (high nibble).
+
+Scales and zeros go to the kernel as one bf16 tensor ``[K/g, N, 2]``: ``[i, n, 0]`` is the
+scale and ``[i, n, 1]`` the zero. The kernel needs ``N % 16 == 0`` (its output blocks are 16,
+32, 48 or 64 rows), ``K % g == 0``, ``g ∈ {32, 64, 128, 256}`` and bf16 activations when the
+scales are bf16. A shape outside these is refused with a ``CpuQuantError``, and
+:func:`kernel_layout` checks the description above against torch's own packer (full and partial
+blocks) before anything reads packed bytes: a torch whose layout differs stops loudly instead of
+being mis-read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuQuantError
+from .grid import QZERO, GroupQuant
+
+QUANT_METHOD = "cpu_int4"
+FORMAT_VERSION = 1
+BITS = 4
+TENSORS = ("weight_packed", "weight_scale", "weight_zero")
+KERNEL_GROUPS = (32, 64, 128, 256)
+KERNEL_ROW_MULTIPLE = 16
+# Rows per chunk are chosen so a chunk holds about this many weights: its int32 copy for torch's
+# packer (4 bytes a weight) then stays near 4 MiB whatever the matrix, so the load-time peak does
+# not grow with the largest matrix (the head of a 150k-vocab model is a billion weights).
+CHUNK_WEIGHTS = 1 << 20
+
+
+# -- the portable layout ----------------------------------------------------------------------
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15) -> uint8 [N, K/2], low nibble = even column."""
+    n, k = codes.shape
+    if k % 2:
+        raise ValueError(f"cannot pack an odd number of columns ({k})")
+    c = codes.to(torch.uint8).reshape(n, k // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K]."""
+    n, half = packed.shape
+    return torch.stack([packed & 0xF, packed >> 4], -1).reshape(n, half * 2)
+
+
+def dequantize_cpu_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_zero: torch.Tensor) -> torch.Tensor:
+    """Reference dequantization of one module to float32 [N, K]."""
+    codes = unpack_codes(weight_packed)
+    n, k = codes.shape
+    groups = weight_scale.shape[1]
+    if weight_scale.shape != (n, groups) or weight_zero.shape != (n, groups) or k % groups:
+        raise CpuQuantError(f"cpu_int4 tensors disagree: weight_packed {list(weight_packed.shape)}, "
+                            f"weight_scale {list(weight_scale.shape)}, "
+                            f"weight_zero {list(weight_zero.shape)}")
+    q = codes.to(torch.float32).reshape(n, groups, k // groups) - QZERO
+    w = q * weight_scale.to(torch.float32).unsqueeze(-1) + weight_zero.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k)
+
+
+def kernel_shape_problem(n: int, k: int, group: int) -> str | None:
+    """Why the tinygemm kernel cannot take an [n, k] weight with this group; None if it can."""
+    if group not in KERNEL_GROUPS:
+        return (f"group {group} is not one the tinygemm kernel takes "
+                f"({', '.join(map(str, KERNEL_GROUPS))})")
+    if k % group:
+        return f"group {group} does not divide the in-features {k}"
+    if n % KERNEL_ROW_MULTIPLE:
+        return (f"out-features {n} is not a multiple of {KERNEL_ROW_MULTIPLE}: the kernel's output "
+                "blocks (16, 32, 48 or 64 rows) cannot tile it")
+    return None
+
+
+def check_kernel_shape(name: str, n: int, k: int, group: int) -> None:
+    problem = kernel_shape_problem(n, k, group)
+    if problem:
+        raise CpuQuantError(f"{name} [{n}x{k}] cannot be stored as cpu_int4: {problem}")
+
+
+def cpu_int4_module_tensors(gq: GroupQuant, name: str = "module") -> dict[str, torch.Tensor]:
+    """One quantization result (symmetric or not) in the portable layout (suffix -> tensor)."""
+    n, k = gq.codes.shape
+    check_kernel_shape(name, n, k, gq.group_size)
+    zeros = torch.zeros_like(gq.scales) if gq.zeros is None else gq.zeros
+    return {
+        "weight_packed": pack_codes(gq.codes),
+        "weight_scale": gq.scales.to(torch.bfloat16).contiguous(),
+        "weight_zero": zeros.to(torch.bfloat16).contiguous(),
+    }
+
+
+def cpu_int4_quantization_config(group_size: int, lm_head: bool, dynamic: dict[str, dict],
+                                 symmetric: bool, extra: dict | None = None) -> dict:
+    cfg = {
+        "quant_method": QUANT_METHOD,
+        "format_version": FORMAT_VERSION,
+        "bits": BITS,
+        "group_size": group_size,
+        "sym": symmetric,
+        "lm_head": lm_head,
+        "dynamic": dynamic,
+        "embedding": "bf16",
+    }
+    cfg.update(extra or {})
+    return cfg
+
+
+class CpuInt4Layout:
+    """The layout object the quantization pipeline writes through (see ``GPTQLayout``)."""
+
+    name = QUANT_METHOD
+
+    def __init__(self, symmetric: bool = False) -> None:
+        self.symmetric = symmetric
+
+    def module_tensors(self, module: str, gq: GroupQuant) -> dict[str, torch.Tensor]:
+        return {f"{module}.{k}": v for k, v in cpu_int4_module_tensors(gq, module).items()}
+
+    def quantization_config(self, group_size: int, head_quantized: bool,
+                            dynamic: dict[str, dict], extra: dict) -> dict:
+        return cpu_int4_quantization_config(group_size, head_quantized, dynamic, self.symmetric,
+                                            extra)
+
+
+# -- the kernel layout ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelLayout:
+    """How torch's packer arranges codes on one ISA path (see the module docstring)."""
+
+    isa: str
+    block_n: int
+    full_block: str  # "split" or "paired"
+
+    def blocks(self, n: int) -> list[tuple[int, int]]:
+        """(first row, rows) of every output block of an N-row weight."""
+        return [(r, min(self.block_n, n - r)) for r in range(0, n, self.block_n)]
+
+    def _is_split(self, size: int) -> bool:
+        return self.full_block == "split" and size == self.block_n
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Reference packer: codes [N, K] -> the kernel's uint8 [N, K/2]."""
+        n, k = codes.shape
+        c = codes.to(torch.uint8)
+        out = torch.empty(n, k // 2, dtype=torch.uint8)
+        for r, size in self.blocks(n):
+            blk = c[r:r + size].t()  # [K, size]
+            if self._is_split(size):
+                lo, hi = blk[:, : size // 2], blk[:, size // 2:]
+            else:
+                lo, hi = blk[:, 0::2], blk[:, 1::2]
+            out[r:r + size] = (lo | (hi << 4)).reshape(size, k // 2)
+        return out
+
+    def codes(self, packed: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Codes uint8 [stop-start, K] of rows ``start:stop`` of a kernel-packed weight.
+
+        ``start`` and ``stop`` must fall on block boundaries (or ``stop == N``): a range that cuts
+        a block cannot be read without its other half, so it is refused, not guessed.
+        """
+        n, half = packed.shape
+        stop = n if stop is None else stop
+        bn = self.block_n
+        if start % bn or (stop % bn and stop != n) or not 0 <= start < stop <= n:
+            raise ValueError(f"rows {start}:{stop} of {n} do not fall on the kernel's "
+                             f"{bn}-row blocks")
+        k = half * 2
+        full = (stop - start) // bn
+        parts = []
+        if full:
+            b = packed[start:start + full * bn].reshape(full, k, bn // 2)
+            lo, hi = b & 0xF, b >> 4
+            if self.full_block == "split":
+                c = torch.cat([lo, hi], -1)
+            else:
+                c = torch.stack([lo, hi], -1).reshape(full, k, bn)
+            parts.append(c.transpose(1, 2).reshape(full * bn, k))
+        tail = stop - start - full * bn
+        if tail:
+            b = packed[stop - tail:stop].reshape(k, tail // 2)
+            parts.append(torch.stack([b & 0xF, b >> 4], -1).reshape(k, tail).t())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+_CANDIDATES = tuple(KernelLayout("?", bn, how) for bn in (16, 32, 64, 128, 256)
+                    for how in ("split", "paired"))
+_EXPECTED = {"AVX512": (64, "split"), "AVX2": (32, "split"), "DEFAULT": (32, "paired")}
+
+
+def torch_pack(codes: torch.Tensor) -> torch.Tensor:
+    """torch's own packer for the tinygemm CPU kernel (the authority on the kernel layout)."""
+    # the second argument (innerKTiles) only matters for the CUDA layout; the CPU packer ignores it
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+
+
+@functools.cache
+def kernel_layout() -> KernelLayout:
+    """The kernel layout of this process's ISA path, checked against torch's packer.
+
+    Probes with full and partial blocks (16, 32, 48 spare rows) must all match one candidate;
+    otherwise torch packs in a way this module does not describe, and reading packed bytes
+    would silently scramble weights, so it raises instead.
+    """
+    isa = torch.backends.cpu.get_cpu_capability()
+    gen = torch.Generator().manual_seed(0)
+    probes = []
+    for spare in (0, 16, 32, 48):
+        codes = torch.randint(0, 16, (512 + spare, 6), generator=gen, dtype=torch.int32)
+        probes.append((codes, torch_pack(codes)))
+    matches = [c for c in _CANDIDATES
+               if all(torch.equal(c.pack(codes), packed) for codes, packed in probes)]
+    if len(matches) != 1:
+        raise CpuQuantError(f"torch {torch.__version__} packs int4 weights for the {isa} path in a "
+                            "layout cpu_quant does not know; refusing to read it (see "
+                            "quantize/tinygemm_pack.py)")
+    found = KernelLayout(isa, matches[0].block_n, matches[0].full_block)
+    expected = _EXPECTED.get(isa)
+    if expected is not None and expected != (found.block_n, found.full_block):
+        raise CpuQuantError(f"torch {torch.__version__} on {isa}: kernel layout "
+                            f"{found.block_n}-row {found.full_block} blocks, expected "
+                            f"{expected[0]}-row {expected[1]}; refusing to read it")
+    return found
+
+
+def _chunk_rows(k: int, block_n: int) -> int:
+    return max(block_n, (CHUNK_WEIGHTS // max(k, 1)) // block_n * block_n)
+
+
+def repack_to_kernel_(weight_packed: torch.Tensor, name: str = "module") -> torch.Tensor:
+    """Turn a portable ``weight_packed`` [N, K/2] into the kernel layout, in place.
+
+    Both layouts have the same size, and a kernel block depends only on its own rows, so the
+    conversion walks chunks of whole blocks: the only extra memory is one chunk's int32 codes.
+    """
+    n, half = weight_packed.shape
+    if n % KERNEL_ROW_MULTIPLE:
+        raise CpuQuantError(f"{name}: out-features {n} is not a multiple of {KERNEL_ROW_MULTIPLE}; "
+                            "the tinygemm kernel's output blocks cannot tile it")
+    layout = kernel_layout()
+    rows = _chunk_rows(half * 2, layout.block_n)
+    for r in range(0, n, rows):
+        chunk = weight_packed[r:r + rows]
+        chunk.copy_(torch_pack(unpack_codes(chunk)))
+    return weight_packed
+
+
+def scale_zero_storage(n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's bf16 [K/g, N, 2] tensor, and two [N, K/g] views of it (scales, zeros).
+
+    Loading the portable ``weight_scale``/``weight_zero`` into the views fills the kernel's tensor
+    directly, with no second copy.
+    """
+    storage = torch.zeros(k // group, n, 2, dtype=torch.bfloat16)
+    return storage, storage[..., 0].t(), storage[..., 1].t()
+
+
+def dequantize_kernel_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, group: int,
+                           start: int, stop: int, layout: KernelLayout | None = None
+                           ) -> torch.Tensor:
+    """bf16 weight rows ``start:stop`` read directly from the kernel layout.
+
+    Same arithmetic as the kernel (float32 ``(q - 8) * s + z``), rounded once to bf16, so it
+    equals the bf16 rounding of :func:`dequantize_cpu_int4`.
+    """
+    layout = layout or kernel_layout()
+    codes = layout.codes(packed, start, stop)
+    rows, k = codes.shape
+    sz = scale_zeros[:, start:stop].to(torch.float32).transpose(0, 1).unsqueeze(-1)  # [r, G, 2, 1]
+    w = codes.to(torch.float32).reshape(rows, k // group, group).sub_(QZERO)
+    return w.mul_(sz[:, :, 0]).add_(sz[:, :, 1]).to(torch.bfloat16).reshape(rows, k)
+
+
+def dequantize_chunks(packed: torch.Tensor) -> list[tuple[int, int]]:
+    """Row ranges (whole kernel blocks) of about ``CHUNK_WEIGHTS`` weights each."""
+    n, half = packed.shape
+    rows = _chunk_rows(half * 2, kernel_layout().block_n)
+    return [(r, min(n, r + rows)) for r in range(0, n, rows)]
+
+
+# -- GPTQ -> cpu_int4 (one quantization, two layouts) -------------------------------------------
+@dataclass
+class ConvertReport:
+    source: str
+    output: str
+    modules: int
+    groups: dict[str, int] = field(default_factory=dict)  # group size -> modules
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_symmetric_gptq(ckpt, qcfg: dict, modules: list[str]) -> None:
+    from .gptq_cpu_export import unpack_gptq_qzeros, zero_offset
+
+    if qcfg.get("quant_method") != "gptq":
+        raise CpuQuantError(f"{ckpt.path} is not a GPTQ checkpoint "
+                            f"(quant_method {qcfg.get('quant_method')!r})")
+    if int(qcfg.get("bits", 0)) != 4:
+        raise CpuQuantError(f"only 4-bit GPTQ converts to cpu_int4 (bits {qcfg.get('bits')})")
+    if qcfg.get("sym") is not True:
+        raise CpuQuantError(f"{ckpt.path} is not a symmetric GPTQ checkpoint (sym "
+                            f"{qcfg.get('sym')!r}); only symmetric GPTQ repacks losslessly")
+    if qcfg.get("desc_act"):
+        raise CpuQuantError("GPTQ with desc_act (act-order g_idx) cannot be repacked")
+    if not modules:
+        raise CpuQuantError(f"{ckpt.path} holds no GPTQ modules (no *.qweight tensors)")
+    try:
+        offset = zero_offset(qcfg.get("checkpoint_format", "gptq"))
+    except ValueError as exc:
+        raise CpuQuantError(str(exc)) from None
+    for m in modules:
+        zeros = unpack_gptq_qzeros(ckpt.tensor(f"{m}.qzeros")) + offset
+        if not bool((zeros == QZERO).all()):
+            raise CpuQuantError(f"{m}: qzeros are not all {QZERO}: the checkpoint is not "
+                                "symmetric, so it does not repack losslessly")
+
+
+def convert_gptq_to_cpu_int4(src: str | Path, dst: str | Path, overwrite: bool = False
+                             ) -> ConvertReport:
+    """Repack a symmetric 4-bit GPTQ checkpoint as cpu_int4, bit-exactly (zero = 0).
+
+    The codes and bf16 scales are carried over unchanged, every other tensor is copied, the
+    sharding is kept, and ``quantization_config`` is rewritten. Everything is checked before
+    anything is written; output appears at ``dst`` only when complete.
+    """
+    from ..io.artifact import StagedOutput, write_shard_index
+    from ..io.checkpoint import open_checkpoint
+    from .gptq_cpu_export import unpack_gptq_qweight
+
+    ckpt = open_checkpoint(src)
+    qcfg = ckpt.config.get("quantization_config") or {}
+    modules = sorted(n[: -len(".qweight")] for n in ckpt.names if n.endswith(".qweight"))
+    _check_symmetric_gptq(ckpt, qcfg, modules)
+    groups: dict[str, int] = {}
+    for m in modules:
+        k8, n = ckpt.shape(f"{m}.qweight")
+        g = k8 * 8 // ckpt.shape(f"{m}.scales")[0]
+        check_kernel_shape(m, n, k8 * 8, g)
+        if f"{m}.g_idx" in ckpt.files:
+            g_idx = ckpt.tensor(f"{m}.g_idx")
+            if not torch.equal(g_idx.to(torch.int64), torch.arange(k8 * 8) // g):
+                raise CpuQuantError(f"{m}: g_idx is not k // {g} (act-order); cannot repack")
+        groups[str(g)] = groups.get(str(g), 0) + 1
+
+    owned = {f"{m}.{s}" for m in modules for s in ("qweight", "qzeros", "scales", "g_idx")}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in ckpt.files.items():
+        by_file.setdefault(file, []).append(name)
+    shard_names: dict[str, list[str]] = {}
+    total = 0
+    with StagedOutput(dst, overwrite=overwrite) as out:
+        for file, names in sorted(by_file.items()):
+            tensors: dict[str, torch.Tensor] = {}
+            for name in names:
+                if name.endswith(".qweight"):
+                    m = name[: -len(".qweight")]
+                    codes = unpack_gptq_qweight(ckpt.tensor(name))
+                    scales = ckpt.tensor(f"{m}.scales").to(torch.bfloat16).t().contiguous()
+                    tensors[f"{m}.weight_packed"] = pack_codes(codes)
+                    tensors[f"{m}.weight_scale"] = scales
+                    tensors[f"{m}.weight_zero"] = torch.zeros_like(scales)
+                elif name not in owned:
+                    tensors[name] = ckpt.tensor(name)
+            out.write_tensors(file.name, tensors)
+            shard_names[file.name] = sorted(tensors)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        write_shard_index(out, shard_names, total)
+        config = dict(ckpt.config)
+        extra = {k: qcfg[k] for k in ("quantizer", "damp_percent", "cpu_quant") if k in qcfg}
+        extra["converted_from"] = "gptq"
+        config["quantization_config"] = cpu_int4_quantization_config(
+            int(qcfg.get("group_size", 128)), bool(qcfg.get("lm_head", False)),
+            dict(qcfg.get("dynamic") or {}), True, extra)
+        out.write_json("config.json", config)
+        out.copy_tokenizer_files(ckpt.path)
+        report_src = ckpt.path / "quantization_report.json"
+        report = ConvertReport(str(ckpt.path), str(out.dst), len(modules), groups)
+        if report_src.is_file():
+            data = json.loads(report_src.read_text())
+            data["layout"] = QUANT_METHOD
+            data["converted"] = report.as_dict()
+            out.write_json("quantization_report.json", data)
+        final = out.commit()
+    ckpt.close()
+    report.output = str(final)
+    return report
+
+
+# -- the reader for ``cpu-quant eval`` (eval/dequantized.py) -----------------------------------
+def read_cpu_int4_module(ckpt, module: str, qcfg: dict) -> torch.Tensor:
+    """One module of a cpu_int4 checkpoint, dequantized to float32 [N, K] as stored."""
+    if int(qcfg.get("format_version", FORMAT_VERSION)) != FORMAT_VERSION:
+        raise CpuQuantError(f"cpu_int4 format_version {qcfg.get('format_version')} is not "
+                            f"supported (this cpu_quant reads {FORMAT_VERSION})")
+    return dequantize_cpu_int4(ckpt.tensor(f"{module}.weight_packed"),
+                               ckpt.tensor(f"{module}.weight_scale"),
+                               ckpt.tensor(f"{module}.weight_zero"))
+
+
+def _register_eval_reader() -> None:
+    from ..eval.dequantized import register_reader
+
+    register_reader(QUANT_METHOD, "weight_packed", TENSORS, read_cpu_int4_module)
+
+
+_register_eval_reader()
+
+__all__ = [
+    "CpuInt4Layout", "KernelLayout", "QUANT_METHOD", "TENSORS", "check_kernel_shape",
+    "convert_gptq_to_cpu_int4", "cpu_int4_module_tensors", "dequantize_cpu_int4",
+    "dequantize_kernel_rows", "kernel_layout", "pack_codes", "repack_to_kernel_",
+    "scale_zero_storage", "torch_pack", "unpack_codes",
+]

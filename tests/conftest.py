@@ -1,0 +1,109 @@
+"""Shared fixtures: the real demo model, a real `cpu-quant gptq` artifact, tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "cpu_quant.cli"]
+# Small calibration for CI; the benchmarks use the full 128 x 512.
+SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
+
+
+def run_cli(*args: str, check: bool = True, timeout: int = 1800, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **(env or {}))
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"cpu-quant {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def demo_src() -> Path:
+    from cpu_quant.models.demo import demo_model_path
+
+    return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def artifacts_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="session")
+def gptq_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
+    """The real main job: calibrated GPTQ, group 128, head quantized (small calibration)."""
+    dst = artifacts_dir / "demo-gptq"
+    run_cli("gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval")
+    return dst
+
+
+@pytest.fixture(scope="session")
+def rtn_plain_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
+    dst = artifacts_dir / "demo-rtn-plain"
+    run_cli("gptq", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
+            "--no-scale-search", "--no-eval")
+    return dst
+
+
+@pytest.fixture(scope="session")
+def rtn_search_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
+    dst = artifacts_dir / "demo-rtn-search"
+    run_cli("gptq", str(demo_src), str(dst), "--method", "rtn", *SMALL_CALIB, "--no-eval")
+    return dst
+
+
+def tokenizer_files(demo_src: Path, dst: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo_src / name).exists():
+            shutil.copy(demo_src / name, dst / name)
+
+
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                    "sliding_window": 64}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+}
+
+
+def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: int = 49152) -> Path:
+    """A tiny random decoder-only model of ``arch`` saved as bf16 safetensors + the demo tokenizer."""
+    import torch
+    import transformers
+
+    cls_name, extra = TINY_ARCHS[arch]
+    cfg_cls = getattr(transformers, cls_name)
+    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=True)
+    kwargs.update(extra)
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(dst)
+    tokenizer_files(demo_src, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(demo_src: Path, tmp_path_factory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", demo_src)
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())

@@ -1,0 +1,257 @@
+"""Unit tests of the benchmark harness itself: the measuring rules must hold in code.
+
+Pure and fast: the arms are tiny real subprocesses (``python -c``), no model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import harness, provenance
+from benchmarks.harness import (
+    NO_DIFFERENCE,
+    Arm,
+    Command,
+    HarnessError,
+    Metric,
+    SkippedArm,
+    Suite,
+)
+from benchmarks.rss import TreeRssSampler, tree_anon_rss_bytes
+
+RATE = Metric("tokens_per_second", "tok/s", "higher")
+TIME = Metric("seconds", "s", "lower")
+
+
+# -- order rotation --------------------------------------------------------------------------
+def test_two_arms_alternate_which_goes_first():
+    assert harness.schedule(["A", "B"], 4) == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+
+
+def test_every_arm_takes_every_position_once_in_n_passes():
+    names = ["A", "B", "C"]
+    order = harness.schedule(names, 3)
+    for position in range(3):
+        assert sorted(p[position] for p in order) == names
+    assert all(sorted(p) == names for p in order)  # every pass runs every arm once
+
+
+# -- direction -------------------------------------------------------------------------------
+def test_best_is_max_for_rates_and_min_for_time():
+    values = [3.0, 1.0, 2.0]
+    assert RATE.best(values) == 3.0 and RATE.worst(values) == 1.0
+    assert TIME.best(values) == 1.0 and TIME.worst(values) == 3.0
+    assert harness.WALL_SECONDS.better == "lower"
+    assert harness.PEAK_RSS_ANON.better == "lower"
+
+
+def test_a_metric_must_declare_its_direction():
+    with pytest.raises(HarnessError):
+        Metric("speed", "tok/s", "faster")
+
+
+def test_stats_use_the_direction_and_ignore_failed_passes():
+    st = harness.stats(TIME, [2.0, None, 4.0, 3.0])
+    assert (st.n, st.failed, st.median, st.spread, st.best, st.worst) == (3, 1, 3.0, 2.0, 2.0, 4.0)
+    st = harness.stats(RATE, [2.0, None, 4.0, 3.0])
+    assert (st.best, st.worst) == (4.0, 2.0)
+
+
+# -- verdict -------------------------------------------------------------------------------
+def test_no_difference_when_medians_differ_by_less_than_the_spread():
+    a = [10.0, 11.0, 12.0]  # spread 2
+    b = [10.5, 11.5, 12.5]  # median differs by 0.5
+    assert harness.verdict(TIME, a, b, "A", "B") == NO_DIFFERENCE
+
+
+def test_a_real_difference_names_the_better_arm_by_direction():
+    slow = [10.0, 10.2, 10.1]
+    fast = [5.0, 5.1, 5.2]
+    assert harness.verdict(TIME, slow, fast, "slow", "fast").startswith("fast better")
+    assert harness.verdict(RATE, slow, fast, "slow", "fast").startswith("slow better")
+
+
+def test_identical_deterministic_values_are_no_difference():
+    assert harness.verdict(TIME, [0.2] * 3, [0.2] * 3) == NO_DIFFERENCE
+
+
+def test_fewer_than_three_passes_give_no_verdict():
+    assert harness.verdict(TIME, [1.0, 1.0], [5.0, 5.0]).startswith(harness.INSUFFICIENT)
+
+
+def test_ratios_are_paired_by_pass_and_skip_failures():
+    assert harness.paired_ratios([2.0, None, 4.0], [1.0, 3.0, 8.0]) == [0.5, 2.0]
+    cmp_ = harness.compare(TIME, [2.0, 2.0, 2.0], [1.0, 1.0, 1.0], "base", "arm")
+    assert cmp_["ratio_median"] == 0.5 and cmp_["verdict"].startswith("arm better")
+    delta = Metric("delta", "x", "lower", ratio=False)
+    assert harness.compare(delta, [1.0] * 3, [2.0] * 3, "b", "a")["ratio_median"] is None
+
+
+def test_passes_below_three_are_refused_unless_smoke():
+    with pytest.raises(HarnessError):
+        harness.check_passes(2, smoke=False)
+    harness.check_passes(3, smoke=False)
+    harness.check_passes(1, smoke=True)
+
+
+# -- running a suite: interleaving and failure recording ------------------------------------
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _value_arm(name: str, value: float, fail_on_pass: int | None = None, exit_status: int = 3,
+               bad_output_on_pass: int | None = None) -> Arm:
+    """An arm whose command writes ``value`` to a file, or fails on the given pass."""
+
+    def command(ctx) -> Command:
+        out = ctx.workdir / "value.json"
+        if ctx.pass_index == fail_on_pass:
+            return Command(_py(f"import sys; sys.stderr.write('boom in {name}'); "
+                               f"sys.exit({exit_status})"))
+        text = "not json" if ctx.pass_index == bad_output_on_pass else json.dumps({"v": value})
+        return Command(_py(f"open({str(out)!r}, 'w').write({text!r})"))
+
+    def collect(ctx, run) -> dict[str, float]:
+        return {"seconds": json.loads((ctx.workdir / "value.json").read_text())["v"]}
+
+    return Arm(name, {"value": value}, command, collect)
+
+
+def _suite(arms: list[Arm], **kw) -> Suite:
+    return Suite("unit", "harness unit test", [TIME], arms, {"purpose": "unit test"},
+                 baseline=arms[0].name, **kw)
+
+
+def _run(suite: Suite, tmp_path: Path, passes: int = 3, smoke: bool = False):
+    return harness.run_suite(suite, passes, smoke, tmp_path / "out", tmp_path / "work",
+                             log=lambda s: None)
+
+
+def test_run_suite_interleaves_with_rotation_and_writes_the_result(tmp_path):
+    suite = _suite([_value_arm("A", 2.0), _value_arm("B", 1.0)])
+    result, path = _run(suite, tmp_path)
+    assert json.loads(path.read_text())["suite"] == "unit" and result["complete"]
+    assert not list(path.parent.glob("*.partial.json"))  # the running record is cleaned up
+    ran = [(r["pass_index"], r["position"], r["arm"]) for r in result["records"]]
+    assert ran == [(0, 0, "A"), (0, 1, "B"), (1, 0, "B"), (1, 1, "A"), (2, 0, "A"), (2, 1, "B")]
+    assert result["summary"]["B"]["seconds"]["median"] == 1.0
+    assert result["comparisons"]["B"]["seconds"]["ratio_median"] == 0.5
+    assert result["comparisons"]["B"]["seconds"]["verdict"].startswith("B better")
+    # wall time and peak RssAnon are measured for every pass by the harness itself
+    assert all(r["wall_seconds"] > 0 and r["rss"]["samples"] >= 1 for r in result["records"])
+
+
+def test_failed_passes_are_recorded_with_status_and_stderr_never_dropped(tmp_path):
+    suite = _suite([_value_arm("A", 2.0), _value_arm("B", 1.0, fail_on_pass=1, exit_status=7)])
+    result, path = _run(suite, tmp_path)
+    assert len(result["records"]) == 6 and result["failed_passes"] == 1
+    failed = [r for r in result["records"] if not r["ok"]]
+    assert failed[0]["arm"] == "B" and failed[0]["pass_index"] == 1
+    assert failed[0]["exit_status"] == 7 and "boom in B" in failed[0]["stderr_tail"]
+    st = result["summary"]["B"]["seconds"]
+    assert st["n"] == 2 and st["failed"] == 1 and st["values"] == [1.0, None, 1.0]
+    assert "insufficient passes" in result["comparisons"]["B"]["seconds"]["verdict"]
+    on_disk = json.loads(path.read_text())
+    assert on_disk["failed_passes"] == 1 and not on_disk["records"][2]["ok"]  # pass 1 runs B first
+
+
+def test_unreadable_output_and_timeouts_are_failures_too(tmp_path):
+    slow = Arm("slow", {}, lambda ctx: Command(_py("import time; time.sleep(30)"), timeout=0.5),
+               lambda ctx, run: {"seconds": 1.0})
+    suite = _suite([_value_arm("A", 2.0, bad_output_on_pass=0), slow])
+    result, _ = _run(suite, tmp_path, passes=1, smoke=True)
+    by_arm = {r["arm"]: r for r in result["records"]}
+    assert not by_arm["A"]["ok"] and "output unreadable" in by_arm["A"]["error"]
+    assert not by_arm["slow"]["ok"] and by_arm["slow"]["exit_status"] is None
+    assert "timeout" in by_arm["slow"]["stderr_tail"]
+
+
+def test_a_failed_build_fails_every_pass_of_its_arm(tmp_path):
+    arm = _value_arm("B", 1.0)
+    arm.build = lambda bdir: Command(_py("import sys; sys.stderr.write('no build'); sys.exit(5)"))
+    result, _ = _run(_suite([_value_arm("A", 2.0), arm]), tmp_path)
+    b = [r for r in result["records"] if r["arm"] == "B"]
+    assert len(b) == 3 and all(not r["ok"] and r["exit_status"] == 5 for r in b)
+    assert "no build" in b[0]["stderr_tail"] and result["builds"]["B"]["exit_status"] == 5
+
+
+def test_skipping_an_arm_is_only_allowed_in_smoke_and_is_recorded(tmp_path):
+    suite = _suite([_value_arm("A", 2.0)], skipped=[SkippedArm("peer", "venv absent")])
+    with pytest.raises(HarnessError):
+        _run(suite, tmp_path)
+    result, _ = _run(suite, tmp_path, passes=1, smoke=True)
+    assert result["skipped_arms"] == [{"arm": "peer", "reason": "venv absent"}]
+
+
+# -- provenance --------------------------------------------------------------------------
+def test_provenance_is_complete(tmp_path):
+    art = tmp_path / "artifact"
+    art.mkdir()
+    (art / "model.safetensors").write_bytes(b"weights")
+    prov = provenance.collect({"group": 128}, {"artifact": art}, {"peer": {"path": "x"}})
+    provenance.validate(prov)
+    assert set(provenance.REQUIRED) <= set(prov)
+    assert provenance.SHA_RE.match(prov["git"]["sha"])
+    assert prov["packages"]["torch"] and prov["packages"]["transformers"]
+    assert prov["artifacts"]["artifact"]["sha256"] and prov["artifacts"]["artifact"]["bytes"] == 7
+    assert prov["threads"]["torch_threads"] >= 1 and prov["cpu"]["flags"]
+    assert prov["settings"] == {"group": 128}
+
+
+@pytest.mark.parametrize("breakage", [
+    lambda p: p.pop("cpu"),
+    lambda p: p["git"].update(sha=None),
+    lambda p: p["packages"].update(torch=None),
+    lambda p: p["artifacts"]["artifact"].update(sha256=""),
+    lambda p: p["cpu"].update(flags=None),
+    lambda p: p["threads"].update(torch_threads=None),
+    lambda p: p.update(settings={}),
+])
+def test_incomplete_provenance_is_refused(tmp_path, breakage):
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x")
+    prov = provenance.collect({"k": 1}, {"artifact": f})
+    breakage(prov)
+    with pytest.raises(provenance.ProvenanceError):
+        provenance.validate(prov)
+
+
+def test_a_directory_digest_changes_with_any_file(tmp_path):
+    (tmp_path / "a").write_text("1")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_text("2")
+    before = provenance.artifact_digest(tmp_path)["sha256"]
+    (tmp_path / "sub" / "b").write_text("3")
+    assert provenance.artifact_digest(tmp_path)["sha256"] != before
+    with pytest.raises(provenance.ProvenanceError):
+        provenance.artifact_digest(tmp_path / "missing")
+
+
+def test_every_result_carries_validated_provenance(tmp_path):
+    result, _ = _run(_suite([_value_arm("A", 2.0)]), tmp_path, passes=1, smoke=True)
+    provenance.validate(result["provenance"])
+    assert result["provenance"]["settings"]["passes"] == 1
+    assert result["provenance"]["settings"]["arms"] == {"A": {"value": 2.0}}
+
+
+# -- memory of a process tree -----------------------------------------------------------------
+def test_rss_sampler_sums_anonymous_memory_over_the_process_tree():
+    # the parent allocates nothing; a grandchild holds ~200 MiB of anonymous memory
+    grandchild = "b = bytearray(200 * 2**20); import time; time.sleep(1.5)"
+    code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    run = harness.run_measured(Command(_py(code)), rss_interval=0.05)
+    assert run.ok
+    assert run.rss["peak_rss_anon_bytes"] > 190 * 2**20
+    assert run.rss["peak_processes"] >= 2
+
+
+def test_rss_of_a_finished_tree_is_zero_and_sampler_stops():
+    import os
+
+    assert tree_anon_rss_bytes(os.getpid()) > 0
+    sampler = TreeRssSampler(os.getpid(), 0.01).start()
+    assert sampler.stop() > 0 and sampler.samples >= 1

@@ -1,0 +1,130 @@
+"""Unit tests of the pure tensor math: grid, scale search, GPTQ, RTN."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpu_quant.quantize.gptq import GridSpec, quantize_gptq, quantize_rtn
+from cpu_quant.quantize.grid import GroupQuant, quantize_codes, round_scale
+from cpu_quant.quantize.scale_search import (
+    absmax_scales,
+    minmax_scales_zeros,
+    search_asymmetric_scales,
+    search_symmetric_scales,
+    weighted_error,
+)
+
+
+def _groups(seed: int, outliers: bool, rows: int = 64, g: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, g, generator=gen)
+    if outliers:
+        mask = torch.rand(rows, g, generator=gen) < 0.03
+        w = torch.where(mask, w * 20, w)
+        w[:, 0] += 5 * torch.randn(rows, generator=gen)
+    importance = torch.rand(g, generator=gen) ** 4 * 10 + 1e-3
+    return w, importance
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), outliers=st.booleans(), uniform=st.booleans(),
+       scale=st.sampled_from([1e-4, 1e-2, 1.0, 30.0]))
+def test_symmetric_search_never_increases_weighted_error(seed, outliers, uniform, scale):
+    w, imp = _groups(seed, outliers)
+    w = w * scale
+    d = None if uniform else imp
+    base = weighted_error(w, absmax_scales(w), d)
+    searched = weighted_error(w, search_symmetric_scales(w, d), d)
+    assert torch.all(searched <= base * (1 + 1e-6) + 1e-30)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), outliers=st.booleans())
+def test_asymmetric_search_never_increases_weighted_error(seed, outliers):
+    w, imp = _groups(seed, outliers)
+    s0, z0 = minmax_scales_zeros(w)
+    s, z = search_asymmetric_scales(w, imp)
+    assert torch.all(weighted_error(w, s, imp, z) <= weighted_error(w, s0, imp, z0) * (1 + 1e-6))
+
+
+def test_search_gains_on_average_and_scales_are_bf16():
+    w, imp = _groups(1, outliers=True, rows=512)
+    s = search_symmetric_scales(w, imp)
+    assert torch.equal(s, round_scale(s)), "scales must be exactly representable in bf16"
+    gain = weighted_error(w, absmax_scales(w), imp).sum() / weighted_error(w, s, imp).sum()
+    # measured ~1.4x on this data; a search that only ties the baseline is not doing its job
+    assert gain > 1.15
+
+
+def test_zero_group_gives_code_eight():
+    w = torch.zeros(3, 32)
+    s = search_symmetric_scales(w)
+    assert torch.all(quantize_codes(w, s) == 8)
+
+
+def test_gptq_with_diagonal_hessian_equals_weighted_rtn():
+    # With no correlation between input channels GPTQ has nothing to compensate: its result
+    # must be exactly the RTN result with the same importance-weighted scales.
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=gen)
+    h = torch.diag(torch.rand(128, generator=gen) + 0.5)
+    gq, stats = quantize_gptq(w, h, 32, GridSpec())
+    rtn = quantize_rtn(w, 32, GridSpec(), torch.diag(h))
+    assert stats.damp == 0.01 and not stats.damp_raised
+    assert torch.equal(gq.scales, rtn.scales)
+    assert torch.equal(gq.codes, rtn.codes)
+
+
+def _correlated_inputs(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, k // 4, generator=gen)
+    mix = torch.randn(k // 4, k, generator=gen)
+    return base @ mix + 0.1 * torch.randn(n, k, generator=gen)
+
+
+def test_gptq_beats_rtn_on_output_error():
+    gen = torch.Generator().manual_seed(1)
+    k = 128
+    x = _correlated_inputs(2048, k)
+    w = torch.randn(96, k, generator=gen) * 0.05
+    h = 2 * x.t() @ x / x.shape[0]
+    out_err = lambda gq: float(((x @ (w - gq.dequantize()).t()) ** 2).mean())  # noqa: E731
+    gptq, _ = quantize_gptq(w, h, 32, GridSpec())
+    gptq_act, _ = quantize_gptq(w, h, 32, GridSpec(), act_order=True)
+    rtn = quantize_rtn(w, 32, GridSpec(), torch.diag(h))
+    # measured: GPTQ roughly halves the output error on strongly correlated inputs
+    assert out_err(gptq) < 0.8 * out_err(rtn)
+    assert out_err(gptq_act) < 0.8 * out_err(rtn)
+
+
+def test_act_order_keeps_static_groups():
+    gen = torch.Generator().manual_seed(2)
+    x = _correlated_inputs(512, 64)
+    w = torch.randn(32, 64, generator=gen)
+    h = 2 * x.t() @ x / x.shape[0]
+    gq, _ = quantize_gptq(w, h, 32, GridSpec(), act_order=True)
+    # static groups: the scales are the ones searched on the original weights
+    expected = search_symmetric_scales(w.reshape(32, 2, 32), torch.diag(h).reshape(1, 2, 32))
+    assert torch.equal(gq.scales, expected.squeeze(-1))
+    assert gq.codes.min() >= 0 and gq.codes.max() <= 15
+
+
+def test_damping_is_raised_when_cholesky_fails():
+    gen = torch.Generator().manual_seed(3)
+    k = 64
+    v = torch.randn(k, 1, generator=gen)
+    h = torch.eye(k) - 1.02 * (v @ v.t()) / (v.t() @ v)  # one eigenvalue of -0.02
+    w = torch.randn(32, k, generator=gen)
+    gq, stats = quantize_gptq(w, h, 32, GridSpec())
+    assert stats.damp_raised and stats.damp > 0.01
+    assert torch.isfinite(gq.dequantize()).all()
+
+
+def test_groupquant_dequantize_formula():
+    codes = torch.tensor([[0, 8, 15, 4]], dtype=torch.uint8)
+    gq = GroupQuant(codes, torch.tensor([[0.5, -2.0]]), None, 2)
+    assert gq.dequantize().tolist() == [[-4.0, 0.0, -14.0, 8.0]]
+    gq_asym = GroupQuant(codes, torch.tensor([[0.5, -2.0]]), torch.tensor([[1.0, 0.25]]), 2)
+    assert gq_asym.dequantize().tolist() == [[-3.0, 1.0, -13.75, 8.25]]

