@@ -51,12 +51,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    workdir = Path(args.workdir) if args.workdir else (
+    workdir = Path(args.workdir).resolve() if args.workdir else (
         gptqmodel_env._cache_root() / "bench-work" / f"{args.suite}-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
     module = _load_suite(args.suite)
     opts = SuiteOptions(smoke=args.smoke, workdir=workdir,
-                        source=Path(args.source) if args.source else None,
+                        source=Path(args.source).resolve() if args.source else None,
                         arms=args.arms.split(",") if args.arms else None,
                         prebuilt=dict(_arm_path(a) for a in args.artifact))
     suite = module.build(opts)

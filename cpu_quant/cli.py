@@ -27,7 +27,8 @@ def friendly_errors(fn):
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written to the output", err=True)
+            click.echo("interrupted: the output was not written; a quantization run can be "
+                       "continued with --resume", err=True)
             sys.exit(130)
 
     return wrapper
@@ -55,7 +56,8 @@ def _print_summary(report, dst: Path) -> None:
     rows = [
         ("output", str(dst)),
         ("layout", report.layout),
-        ("method", report.settings["method"] + ("" if report.settings["scale_search"] else " (no scale search)")),
+        ("method", report.settings["method"]
+         + ("" if report.settings["scale_search"] else " (no scale search)")),
         ("group", str(report.settings["group_size"])),
         ("head", "quantized" if report.head_quantized else "bf16"),
         ("bits/weight", f"{report.bits_per_weight:.3f} (codes + scales), "
@@ -124,6 +126,9 @@ def quantize_options(fn):
                      help="Refuse modules that --group does not divide instead of using a smaller group."),
         click.option("--no-eval", is_flag=True, help="Skip the short fidelity check at the end."),
         click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
+        click.option("--resume", is_flag=True,
+                     help="Continue an interrupted or killed run from its last completed layer "
+                          "(same source, settings and calibration only)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -152,7 +157,8 @@ def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, op
                    "bytes of a 4-bit head", err=True)
     click.echo(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})",
                err=True)
-    report = quantize_checkpoint(source, target, settings, layout, overwrite=opts["overwrite"])
+    report = quantize_checkpoint(source, target, settings, layout, overwrite=opts["overwrite"],
+                                 resume=opts["resume"])
     for note in report.plan_notes[:6]:
         click.echo(f"note: {note}", err=True)
     if len(report.plan_notes) > 6:

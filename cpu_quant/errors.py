@@ -13,3 +13,9 @@ class VerificationFailed(CpuQuantError):
     """An artifact was produced but failed its own correctness check."""
 
     exit_code = 3
+
+
+class Interrupted(CpuQuantError):
+    """The user stopped a run (Ctrl-C / SIGTERM) at a safe point; its state can be resumed."""
+
+    exit_code = 130

@@ -116,7 +116,7 @@ class RXdrReader:
         if has_attr:
             attrs = self._item()
             if isinstance(attrs, dict) and "names" in attrs and sxp == VECSXP:
-                return dict(zip(attrs["names"], vals))
+                return dict(zip(attrs["names"], vals, strict=True))
         return vals
 
 

@@ -111,10 +111,10 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
     assert "CPUWNA16LinearKernel" in log  # the 4-bit kernel really ran
     assert "auto_gptq" in log
     reference = load_model(gptq_artifact, torch.bfloat16)
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         expected = _greedy(reference, torch.tensor([prompt]), NEW_TOKENS)[0].tolist()
         got = res["tokens"]
-        first_diff = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        first_diff = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
         if first_diff is not None:
             margin = res["top2_margin"][first_diff]
             assert margin is not None and margin < NEAR_TIE_NATS, (

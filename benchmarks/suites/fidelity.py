@@ -239,7 +239,7 @@ def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, windows: Path, settings
         spec_file.write_text(json.dumps(q.gptqmodel_spec(src, bdir / "artifact", windows,
                                                          settings, dyn), indent=2))
         return Command([str(env.python), str(gptqmodel_env.RUNNER), str(spec_file)],
-                       env=dict(q.GPTQMODEL_ENV), timeout=timeout)
+                       env=dict(q.GPTQMODEL_ENV), cwd=str(bdir), timeout=timeout)
 
     def verify(artifact: Path) -> None:
         check_gptqmodel_artifact(artifact, windows, settings, dyn)

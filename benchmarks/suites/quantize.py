@@ -257,8 +257,9 @@ def gptqmodel_arm(name: str, src: Path, windows: Path, settings: dict, dynamic: 
         dst = ctx.workdir / "artifact"
         spec = ctx.workdir / "spec.json"
         spec.write_text(json.dumps(gptqmodel_spec(src, dst, windows, settings, dynamic), indent=2))
+        # cwd: GPTQModel writes a logs/ directory into its working directory
         return Command([str(peer_env().python), str(gptqmodel_env.RUNNER), str(spec)],
-                       env=dict(GPTQMODEL_ENV), timeout=timeout)
+                       env=dict(GPTQMODEL_ENV), cwd=str(ctx.workdir), timeout=timeout)
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
         saved = json.loads((ctx.workdir / "artifact" / "gptqmodel_run.json").read_text())

@@ -78,7 +78,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     missing = [m for m in missing if not m.endswith("inv_freq")]
     if missing or unexpected:
         bad = (missing or unexpected)[0]
-        raise CpuQuantError(f"{path}: tensors and config disagree ({'missing' if missing else 'unexpected'} {bad})")
+        kind = "missing" if missing else "unexpected"
+        raise CpuQuantError(f"{path}: tensors and config disagree ({kind} {bad})")
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     ckpt.close()

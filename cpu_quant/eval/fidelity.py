@@ -150,7 +150,7 @@ def compare_models(reference, quantized, tokenizer, settings: EvalSettings,
         ppl_q = math.exp(acc[v]["nll"] / count)
         examples = [{"prompt": tokenizer.decode(p), "reference": tokenizer.decode(r),
                      "quantized": tokenizer.decode(q)}
-                    for p, r, q in zip(prompts[:3], g_ref[:3], g_q[:3])]
+                    for p, r, q in zip(prompts[:3], g_ref[:3], g_q[:3], strict=True)]
         reports[v] = FidelityReport(
             kl_mean=acc[v]["kl"] / count, ppl_reference=ppl_r, ppl_quantized=ppl_q,
             ppl_delta=ppl_q - ppl_r, top1_agreement=acc[v]["agree"] / count,

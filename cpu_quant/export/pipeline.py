@@ -121,12 +121,21 @@ def _export_methods(model: torch.nn.Module, shape: GraphShape) -> dict:
                 for name, t in qnn.method_lengths(shape).items()}
 
 
+def eager_graphs(programs: dict) -> dict[str, torch.nn.Module]:
+    """The exported quantized programs as runnable torch modules, with constant subgraphs (the
+    weights' dequantize ops) folded once. Exact: the folded constants are what the ops compute
+    on every call (checked bitwise on 8da8w), and it makes the reference ~20x faster."""
+    from executorch.exir.passes.constant_prop_pass import constant_prop_pass
+
+    return {name: constant_prop_pass(copy.deepcopy(ep)).module() for name, ep in programs.items()}
+
+
 def build_xnnpack(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings) -> Built:
     scheme = settings.resolved_scheme
     if scheme != "fp32":
         xnnpack.quantize_for_xnnpack(model, scheme, settings.group_size)
     programs = _export_methods(model, shape)
-    eager = {name: ep.module() for name, ep in programs.items()}
+    eager = eager_graphs(programs)
     manager = xnnpack.lower_to_xnnpack(programs)
     calibration = {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
                    "note": "XNNPACK schemes quantize activations per token at run time"}
@@ -149,7 +158,7 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
                 prepared[name](*shape.example_inputs(t))
     converted = qnn.convert(prepared)
     programs = qnn.export_quantized(converted, shape)
-    eager = {name: ep.module() for name, ep in programs.items()}
+    eager = eager_graphs(programs)
     calibration = {"source": settings.calib or "austen (built-in calibration split)",
                    **asdict(stats)}
     if not calib_windows:

@@ -3,9 +3,10 @@
 ``StagedOutput(dst)`` creates ``.<name>.partial`` beside ``dst`` and takes the lock file
 ``.<name>.lock`` (created with ``O_EXCL``; it holds the owner's pid, and a lock whose pid is
 gone is taken over). Shards are written into the staging directory; ``commit()`` renames it to
-``dst``. On any exception the staging directory is removed and ``dst`` is untouched, so a
-crash never leaves anything that looks like a finished artifact. ``OSError`` from a full disk
-or an unwritable directory becomes a one-line ``CpuQuantError``.
+``dst``. On an error the staging directory is removed and ``dst`` is untouched; after Ctrl-C,
+or when the run asks (``keep_on_exit``), it is kept for ``--resume``. It never holds a
+``config.json`` before the commit, so nothing half-written looks like a finished artifact.
+``OSError`` from a full disk or an unwritable directory becomes a one-line ``CpuQuantError``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def describe_os_error(exc: OSError, where: Path) -> str:
 
 
 class StagedOutput:
-    def __init__(self, dst: str | Path, overwrite: bool = False) -> None:
+    def __init__(self, dst: str | Path, overwrite: bool = False, resume: bool = False) -> None:
         self.dst = Path(dst).absolute()
         self.overwrite = overwrite
+        self.resume = resume
+        # set by a run that stopped at a safe point: keep the staging directory for --resume
+        self.keep_on_exit = False
         self.staging = self.dst.parent / f".{self.dst.name}.partial"
         self.lock = self.dst.parent / f".{self.dst.name}.lock"
         self._locked = False
@@ -61,9 +65,14 @@ class StagedOutput:
             raise CpuQuantError(f"output parent directory {parent} does not exist")
         self._take_lock()
         try:
-            if self.staging.exists():
-                shutil.rmtree(self.staging)
-            self.staging.mkdir()
+            if self.resume:
+                if not self.staging.is_dir():
+                    self._release_lock()
+                    raise CpuQuantError(f"nothing to resume: no interrupted run at {self.staging}")
+            else:
+                if self.staging.exists():  # a crashed run's leftovers, not asked to resume
+                    shutil.rmtree(self.staging)
+                self.staging.mkdir()
         except OSError as exc:
             self._release_lock()
             raise CpuQuantError(describe_os_error(exc, self.staging)) from None
@@ -97,8 +106,10 @@ class StagedOutput:
             self._locked = False
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is KeyboardInterrupt:
+            self.keep_on_exit = True  # state is consistent up to the last completed layer
         try:
-            if exc_type is not None:
+            if exc_type is not None and not self.keep_on_exit:
                 shutil.rmtree(self.staging, ignore_errors=True)
         finally:
             self._release_lock()
@@ -116,11 +127,15 @@ class StagedOutput:
         os.replace(tmp, self.path(name))
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
+        # serialise in memory and write with Python I/O, so a full disk is a plain OSError
+        data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
         tmp = self.path(name + ".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": "pt"})
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, self.path(name))
 
     def copy_tokenizer_files(self, src: Path) -> list[str]:

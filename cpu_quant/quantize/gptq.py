@@ -73,10 +73,10 @@ def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
     eye = torch.eye(h.shape[0], dtype=h.dtype)
     for step in DAMP_STEPS:
         used = damp * step
-        l, info = torch.linalg.cholesky_ex(h + used * mean_diag * eye)
+        lower, info = torch.linalg.cholesky_ex(h + used * mean_diag * eye)
         if info.item() != 0:
             continue
-        hinv = torch.cholesky_inverse(l)
+        hinv = torch.cholesky_inverse(lower)
         u, info = torch.linalg.cholesky_ex(hinv, upper=True)
         if info.item() == 0:
             return u, used, step != 1.0

@@ -12,9 +12,13 @@ normed hidden state. Output goes through ``io.artifact.StagedOutput``: nothing a
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import platform
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError
+from ..errors import CpuQuantError, Interrupted
 from ..io.artifact import StagedOutput, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from .gptq import GridSpec, quantize_gptq, quantize_rtn, weighted_snr_db
@@ -180,9 +184,78 @@ def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor
     return list(torch.split(ids, settings.batch_size))
 
 
+STATE_FILE = "cpu_quant_state.json"
+HIDDEN_FILE = "cpu_quant_hidden.safetensors"
+
+
+@dataclass
+class RunState:
+    """What a run has finished, persisted after every layer so that ``--resume`` can continue.
+
+    Saved in the staging directory as ``cpu_quant_state.json`` (plus the propagated calibration
+    activations in ``cpu_quant_hidden.safetensors``), both written atomically after the layer's
+    shard, so a crash at any point leaves a consistent state of whole layers.
+    """
+
+    fingerprint: str
+    completed_layers: int = 0
+    tensors: list[dict] = field(default_factory=list)
+    layer_seconds: list[float] = field(default_factory=list)
+    shards: dict[str, list[str]] = field(default_factory=dict)
+    total_bytes: int = 0
+    n_weights: int = 0
+    bits_codes: float = 0.0
+    bits_disk: float = 0.0
+
+    def account(self, gq: GroupQuant, tensors: dict[str, torch.Tensor]) -> None:
+        n, k = gq.codes.shape
+        self.n_weights += n * k
+        zeros = 0 if gq.zeros is None else gq.zeros.numel() * 16
+        self.bits_codes += n * k * 4 + gq.scales.numel() * 16 + zeros
+        self.bits_disk += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
+
+
+def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: list[torch.Tensor]) -> str:
+    """Source files (name, size, header), settings, layout and calibration tokens, hashed."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"settings": asdict(settings), "layout": layout_name,
+                         "config": ckpt.config}, sort_keys=True).encode())
+    for f in sorted(set(ckpt.files.values())):
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+        h.update(json.dumps(ckpt.headers[f], sort_keys=True).encode())
+    for b in batches:
+        h.update(b.numpy().tobytes())
+    return h.hexdigest()
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag; the layer loop stops at the next layer boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        # a second Ctrl-C interrupts at once
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSettings, layout,
-                        *, overwrite: bool = False, progress: bool = True,
+                        *, overwrite: bool = False, resume: bool = False, progress: bool = True,
                         on_layer: Callable[[int, int], None] | None = None) -> QuantReport:
+    """Quantize ``src`` into ``dst`` through ``layout``; see the module docstring."""
+    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
     settings.validate()
@@ -194,118 +267,71 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     stream = LayerStream(ckpt)
     grid = GridSpec(symmetric=layout.symmetric, scale_search=settings.scale_search)
     report = QuantReport(settings=asdict(settings), layout=layout.name, provenance=provenance(src))
+    batches = [] if settings.data_free else calibration_batches(src, settings)
+    report.calibration_tokens = sum(b.numel() for b in batches)
+    fingerprint = run_fingerprint(ckpt, settings, layout.name, batches)
 
-    with StagedOutput(dst, overwrite=overwrite) as out:
-        batches = [] if settings.data_free else calibration_batches(src, settings)
-        report.calibration_tokens = sum(b.numel() for b in batches)
+    with StagedOutput(dst, overwrite=overwrite, resume=resume) as out, _StopRequest() as stop:
+        state = RunState(fingerprint)
+        if resume:
+            state = _load_state(out, fingerprint)
         hidden = stream.capture(batches) if batches else []
+        if hidden and state.completed_layers:
+            saved = load_file(out.path(HIDDEN_FILE))
+            hidden = [saved[f"batch.{b}"] for b in range(len(hidden))]
         n_shards = stream.n_layers + 1
-        shard_names: dict[str, list[str]] = {}
-        total_bytes = 0
-        plans: list[LinearPlan] = []
-        n_weights = 0
-        bits_codes = 0.0
-        bits_disk = 0.0
 
         def write_shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
-            nonlocal total_bytes
             fname = f"model-{index:05d}-of-{n_shards:05d}.safetensors"
             out.write_tensors(fname, tensors)
-            shard_names[fname] = sorted(tensors)
-            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            state.shards[fname] = sorted(tensors)
+            state.total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
-        def account(gq: GroupQuant, tensors: dict[str, torch.Tensor]) -> None:
-            nonlocal n_weights, bits_codes, bits_disk
-            n, k = gq.codes.shape
-            n_weights += n * k
-            bits_codes += n * k * 4 + gq.scales.numel() * 16 + (0 if gq.zeros is None else gq.zeros.numel() * 16)
-            bits_disk += sum(t.numel() * t.element_size() * 8 for t in tensors.values())
-
-        layer_bar = tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress)
+        plans: list[LinearPlan] = []
+        layer_bar = tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress,
+                         initial=0)
         for i in layer_bar:
-            t0 = time.perf_counter()
-            layer = stream.load_layer(i)
             linears = stream.linears(i)
             layer_plans = {name: plan_linear(name, m.in_features, m.out_features,
                                              settings.group_size, settings.strict_group)
                            for name, m in linears.items()}
             plans.extend(layer_plans.values())
-            acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
-            if hidden:
-                for _ in stream.forward_layer(i, hidden):
-                    pass
-            acc.close()
-            tensors: dict[str, torch.Tensor] = {}
-            for name, module in linears.items():
-                plan = layer_plans[name]
-                if not plan.quantize:
-                    continue
-                hess = acc.hessian(name) if name in acc.h else None
-                gq, trep = _quantize_one(module.weight.data, plan, settings, grid, hess)
-                report.tensors.append(trep)
-                module_tensors = layout.module_tensors(name, gq)
-                account(gq, module_tensors)
-                tensors.update(module_tensors)
-                module.weight.data = gq.dequantize().to(module.weight.dtype)
-            del acc
-            quantized_params = {f"{n}.weight" for n, p in layer_plans.items() if p.quantize}
-            for pname in stream.layer_param_names(i):
-                if pname not in quantized_params:
-                    tensors[pname] = ckpt.tensor(pname).to(torch.bfloat16)
+            if i < state.completed_layers:
+                continue
+            t0 = time.perf_counter()
+            stream.load_layer(i)
+            tensors = _quantize_layer(stream, ckpt, i, linears, layer_plans, hidden, settings,
+                                      grid, layout, state)
             if hidden:
                 hidden = list(stream.forward_layer(i, hidden))
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
-            report.layer_seconds.append(round(time.perf_counter() - t0, 3))
+            if hidden:
+                tmp = out.path(HIDDEN_FILE + ".tmp")
+                save_file({f"batch.{b}": h.contiguous() for b, h in enumerate(hidden)}, str(tmp))
+                os.replace(tmp, out.path(HIDDEN_FILE))
+            state.layer_seconds.append(round(time.perf_counter() - t0, 3))
+            state.completed_layers = i + 1
+            out.write_json(STATE_FILE, asdict(state))
             if on_layer is not None:
                 on_layer(i, stream.n_layers)
+            if stop.requested and i + 1 < stream.n_layers:
+                out.keep_on_exit = True
+                raise Interrupted(f"interrupted after layer {i + 1} of {stream.n_layers}; run the "
+                                  "same command with --resume to continue")
 
         # -- the outer tensors and the head --------------------------------------------------
         t0 = time.perf_counter()
-        outer: dict[str, torch.Tensor] = {}
-        prefix = stream.layers_prefix + "."
-        head_src = stream.head_weight_name()
-        for name in ckpt.names:
-            if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
-                continue
-            outer[name] = ckpt.tensor(name).to(torch.bfloat16)
-        head_w = ckpt.tensor(head_src, check_finite=True)
-        vocab, hidden_size = head_w.shape
-        head_group = settings.head_group or settings.group_size
-        head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, head_group, settings.strict_group,
-                                quantize=settings.quantize_head)
+        outer, head_plan = _quantize_outer(stream, ckpt, hidden, settings, grid, layout, state)
         report.head_quantized = head_plan.quantize
-        if head_plan.quantize:
-            hess = None
-            if hidden:
-                norm = stream.final_norm()
-                acc_h = torch.zeros(hidden_size, hidden_size)
-                rows = 0
-                with torch.no_grad():
-                    for h in hidden:
-                        x = norm(h).reshape(-1, hidden_size).to(torch.float32)
-                        acc_h += x.t() @ x
-                        rows += x.shape[0]
-                hess = 2.0 * acc_h / rows
-            gq, trep = _quantize_one(head_w, head_plan, settings, grid, hess)
-            report.tensors.append(trep)
-            head_tensors = layout.module_tensors(HEAD_NAME, gq)
-            account(gq, head_tensors)
-            outer.update(head_tensors)
-        elif "lm_head.weight" in ckpt.names:
-            outer["lm_head.weight"] = head_w.to(torch.bfloat16)
-        elif head_plan.reason and settings.quantize_head:
-            report.plan_notes.append(f"lm_head kept bf16: {head_plan.reason}")
         report.head_seconds = round(time.perf_counter() - t0, 3)
         write_shard(n_shards, outer)
-        write_shard_index(out, shard_names, total_bytes)
+        write_shard_index(out, state.shards, state.total_bytes)
 
         all_plans = plans + [head_plan]
         default_group = settings.group_size
         dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason], default_group)
-        for p in all_plans:
-            if p.reason:
-                report.plan_notes.append(f"{p.name}: {p.reason}")
+        report.plan_notes = [f"{p.name}: {p.reason}" for p in all_plans if p.reason]
         config = dict(ckpt.config)
         config["dtype"] = "bfloat16"
         config.pop("torch_dtype", None)
@@ -320,14 +346,102 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                            "act_order_static_groups": settings.act_order}})
         out.write_json("config.json", config)
         out.copy_tokenizer_files(src)
-        report.bits_per_weight = round(bits_codes / max(n_weights, 1), 4)
-        report.bits_per_weight_on_disk = round(bits_disk / max(n_weights, 1), 4)
+        report.tensors = [TensorReport(**t) for t in state.tensors]
+        report.layer_seconds = state.layer_seconds
+        report.bits_per_weight = round(state.bits_codes / max(state.n_weights, 1), 4)
+        report.bits_per_weight_on_disk = round(state.bits_disk / max(state.n_weights, 1), 4)
         report.total_seconds = round(time.perf_counter() - t_start, 3)
+        for name in (STATE_FILE, HIDDEN_FILE):
+            out.path(name).unlink(missing_ok=True)
         out.write_json("quantization_report.json", asdict(report))
         final = out.commit()
     ckpt.close()
     report.provenance["output"] = str(final)
     return report
+
+
+def _load_state(out: StagedOutput, fingerprint: str) -> RunState:
+    path = out.path(STATE_FILE)
+    if not path.is_file():
+        raise CpuQuantError(f"nothing to resume: {out.staging} holds no completed layer")
+    try:
+        data = json.loads(path.read_text())
+        state = RunState(**data)
+    except (json.JSONDecodeError, TypeError):
+        raise CpuQuantError(f"{path} is corrupted; run without --resume to start over") from None
+    if state.fingerprint != fingerprint:
+        raise CpuQuantError("cannot resume: the source files, settings or calibration data differ "
+                            f"from those of the interrupted run in {out.staging}; run without "
+                            "--resume to start over")
+    return state
+
+
+def _quantize_layer(stream: LayerStream, ckpt, i: int, linears: dict[str, nn.Linear],
+                    layer_plans: dict[str, LinearPlan], hidden: list[torch.Tensor],
+                    settings: QuantSettings, grid: GridSpec, layout, state: RunState
+                    ) -> dict[str, torch.Tensor]:
+    """Hessians from one pass over the calibration activations, then every linear quantized
+    and replaced in place by its dequantized weights (for the pass that feeds the next layer)."""
+    acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
+    try:
+        for _ in stream.forward_layer(i, hidden):
+            pass
+    finally:
+        acc.close()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in linears.items():
+        plan = layer_plans[name]
+        if not plan.quantize:
+            continue
+        hess = acc.hessian(name) if name in acc.h else None
+        gq, trep = _quantize_one(module.weight.data, plan, settings, grid, hess)
+        state.tensors.append(asdict(trep))
+        module_tensors = layout.module_tensors(name, gq)
+        state.account(gq, module_tensors)
+        tensors.update(module_tensors)
+        module.weight.data = gq.dequantize().to(module.weight.dtype)
+    quantized_params = {f"{n}.weight" for n, p in layer_plans.items() if p.quantize}
+    for pname in stream.layer_param_names(i):
+        if pname not in quantized_params:
+            tensors[pname] = ckpt.tensor(pname).to(torch.bfloat16)
+    return tensors
+
+
+def _quantize_outer(stream: LayerStream, ckpt, hidden: list[torch.Tensor], settings: QuantSettings,
+                    grid: GridSpec, layout, state: RunState
+                    ) -> tuple[dict[str, torch.Tensor], LinearPlan]:
+    """Embedding and norms (bf16), and the output head, quantized with the Hessian of the final
+    normed hidden state."""
+    outer: dict[str, torch.Tensor] = {}
+    prefix = stream.layers_prefix + "."
+    for name in ckpt.names:
+        if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+            continue
+        outer[name] = ckpt.tensor(name).to(torch.bfloat16)
+    head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
+    vocab, hidden_size = head_w.shape
+    head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
+                            settings.strict_group, quantize=settings.quantize_head)
+    if head_plan.quantize:
+        hess = None
+        if hidden:
+            norm = stream.final_norm()
+            acc_h = torch.zeros(hidden_size, hidden_size)
+            rows = 0
+            with torch.no_grad():
+                for h in hidden:
+                    x = norm(h).reshape(-1, hidden_size).to(torch.float32)
+                    acc_h += x.t() @ x
+                    rows += x.shape[0]
+            hess = 2.0 * acc_h / rows
+        gq, trep = _quantize_one(head_w, head_plan, settings, grid, hess)
+        state.tensors.append(asdict(trep))
+        head_tensors = layout.module_tensors(HEAD_NAME, gq)
+        state.account(gq, head_tensors)
+        outer.update(head_tensors)
+    elif "lm_head.weight" in ckpt.names:
+        outer["lm_head.weight"] = head_w.to(torch.bfloat16)
+    return outer, head_plan
 
 
 def update_report(dst: Path, **fields) -> dict:

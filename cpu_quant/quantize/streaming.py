@@ -89,7 +89,8 @@ class LayerStream:
         tcfg = text_config(self.config)
         self.n_layers = int(tcfg.num_hidden_layers)
         self.layers_prefix, self.layers = _find_layers(self.model, self.n_layers)
-        self.tied = bool(getattr(tcfg, "tie_word_embeddings", getattr(self.config, "tie_word_embeddings", False)))
+        self.tied = bool(getattr(tcfg, "tie_word_embeddings",
+                                 getattr(self.config, "tie_word_embeddings", False)))
         self._check_tensor_names()
         self._load_outer()
         self.calls: list[list[LayerCall]] = []  # [layer][batch]

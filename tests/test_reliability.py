@@ -1,0 +1,160 @@
+"""Interruption, resume, full disks and locks (issue 8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from .conftest import CLI, SMALL_CALIB, make_tiny_model, run_cli
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_layers(staging: Path, proc: subprocess.Popen, layers: int, timeout: float = 1500) -> int:
+    state = staging / "cpu_quant_state.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before layer {layers}: {proc.stderr.read()[-2000:]}")
+        try:
+            done = json.loads(state.read_text())["completed_layers"]
+        except (OSError, ValueError, KeyError):
+            done = 0
+        if done >= layers:
+            return done
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for a completed layer")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path):
+    dst = tmp_path / "resumed"
+    args = ["gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval"]
+    proc = _start(*args)
+    done = _wait_for_layers(tmp_path / ".resumed.partial", proc, 2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not dst.exists()
+    assert done >= 1
+    # a resume with other settings is refused, and leaves the partial run alone
+    refused = run_cli(*args[:-1], "--samples", "8", "--no-eval", "--resume", check=False)
+    assert refused.returncode != 0 and "cannot resume" in refused.stderr
+    run_cli(*args, "--resume")
+    expected, got = _tensors(gptq_artifact), _tensors(dst)
+    assert sorted(expected) == sorted(got)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), name
+    report = json.loads((dst / "quantization_report.json").read_text())
+    assert len(report["layer_seconds"]) == 30 and len(report["tensors"]) == 211
+    assert not (tmp_path / ".resumed.partial").exists()
+
+
+def test_ctrl_c_stops_at_a_layer_boundary_and_resumes(demo_src, tmp_path):
+    src = tmp_path / "deep"
+    make_tiny_model("llama", src, demo_src)
+    cfg = json.loads((src / "config.json").read_text())
+    # a deeper tiny model, so that there is a layer boundary to stop at
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    config.num_hidden_layers = 12
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(src)
+    assert cfg["model_type"] == "llama"
+    dst = tmp_path / "out"
+    args = ["gptq", str(src), str(dst), "--group", "32", "--samples", "32", "--seqlen", "256", "--no-eval"]
+    proc = _start(*args)
+    _wait_for_layers(tmp_path / ".out.partial", proc, 1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode == 0:
+        pytest.fail("the run finished before Ctrl-C reached it; make the model deeper")
+    assert proc.returncode == 130, err[-2000:]
+    assert "--resume" in err and "Traceback" not in err
+    assert not dst.exists() and (tmp_path / ".out.partial" / "cpu_quant_state.json").is_file()
+    run_cli(*args, "--resume")
+    assert (dst / "config.json").is_file()
+
+
+def test_resume_without_a_partial_run(tiny_llama, tmp_path):
+    dst = tmp_path / "out"
+    proc = run_cli("gptq", str(tiny_llama), str(dst), "--resume", "--no-eval", check=False)
+    assert proc.returncode != 0 and "nothing to resume" in proc.stderr
+    assert not dst.exists()
+
+
+def test_live_lock_blocks_a_second_writer(tiny_llama, tmp_path):
+    dst = tmp_path / "out"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".out.lock").write_text(str(sleeper.pid))
+        proc = run_cli("gptq", str(tiny_llama), str(dst), "--no-eval", check=False)
+        assert proc.returncode != 0 and "another cpu-quant run" in proc.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the owner is gone: its lock is stale and taken over
+    run_cli("gptq", str(tiny_llama), str(dst), "--group", "32", "--samples", "2", "--seqlen", "32",
+            "--no-eval")
+    assert (dst / "config.json").is_file() and not (tmp_path / ".out.lock").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs to simulate a full disk: {proc.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_fails_cleanly(tiny_llama, small_disk):
+    dst = small_disk / "out"
+    proc = run_cli("gptq", str(tiny_llama), str(dst), "--group", "32", "--samples", "2",
+                   "--seqlen", "32", "--no-eval", check=False)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(small_disk) == []
+
+
+def test_unwritable_output_directory(tiny_llama, tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    dst = parent / "out"
+    # root ignores permission bits, so make the parent a file-backed read-only bind mount
+    proc = subprocess.run(["mount", "--bind", "-o", "ro", str(parent), str(parent)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot make a read-only mount: {proc.stderr.strip()}")
+    try:
+        res = run_cli("gptq", str(tiny_llama), str(dst), "--no-eval", check=False)
+    finally:
+        subprocess.run(["umount", str(parent)], check=False)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "cannot write" in res.stderr or "Read-only" in res.stderr, res.stderr[-1000:]
+    assert not dst.exists()
