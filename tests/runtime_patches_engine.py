@@ -68,14 +68,20 @@ if os.environ.get("CPU_QUANT_TEST_SIMULATE_UPSTREAM") == "1":
     _simulate_upstream_changes()
 
 
-def _process_names(pids: list[int]) -> dict[int, str]:
-    names = {}
+def _rss_by_process(pids: list[int]) -> dict[str, list]:
+    """{pid: [name, RssAnon bytes]}; a short-lived child (a compiler, ldconfig) may exit while
+    being read and is left out."""
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.runtime_patches import memory
+
+    out: dict[str, list] = {}
     for pid in pids:
         try:
-            names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            names[pid] = "?"
-    return names
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            out[str(pid)] = [name, memory.anon_rss_bytes(pid, tree=False)]
+        except (OSError, CpuQuantError):
+            continue
+    return out
 
 
 def main() -> None:
@@ -101,10 +107,7 @@ def main() -> None:
               enforce_eager=not args.compile, seed=0, **kwargs)
     start_seconds = time.perf_counter() - t0
     rss_total = memory.anon_rss_bytes(tree=True)
-    pids = [os.getpid(), *memory.descendant_pids(os.getpid())]
-    names = _process_names(pids)
-    by_process = {str(p): [names[p], memory.anon_rss_bytes(p, tree=False)] for p in pids
-                  if p in names and names[p] != "?"}
+    by_process = _rss_by_process([os.getpid(), *memory.descendant_pids(os.getpid())])
     cache_config = llm.llm_engine.vllm_config.cache_config
     out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
 

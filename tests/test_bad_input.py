@@ -142,3 +142,28 @@ def test_jsonl_calibration_and_directory(tmp_path, tiny_llama):
     dst2 = tmp_path / "out2"
     proc = run_cli("gptq", str(tiny_llama), str(dst2), "--calib", str(bad), "--no-eval", check=False)
     _assert_clean_failure(proc, dst2, "field 'text'")
+
+
+def test_config_link_pointing_outside_is_refused(tmp_path, tiny_llama):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(tiny_llama / "model.safetensors", src / "model.safetensors")
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(tiny_llama / "config.json", outside)
+    (src / "config.json").symlink_to(outside)
+    dst = tmp_path / "out"
+    proc = run_cli("gptq", str(src), str(dst), "--no-eval", check=False)
+    _assert_clean_failure(proc, dst, "points outside the checkpoint directory")
+
+
+def test_hub_snapshot_links_into_blobs_are_accepted(tmp_path, tiny_llama):
+    from cpu_quant.io.checkpoint import open_checkpoint
+
+    repo = tmp_path / "models--x--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    assert "model.embed_tokens.weight" in open_checkpoint(snap).names

@@ -57,11 +57,13 @@ def read_safetensors_header(path: Path) -> dict:
 
 
 def _inside(base: Path, path: Path) -> bool:
-    try:
-        path.resolve().relative_to(base.resolve())
-        return True
-    except ValueError:
-        return False
+    """Does ``path`` resolve inside ``base``? A Hugging Face hub snapshot's links into its
+    repository's ``blobs`` directory count as inside."""
+    roots = [base.resolve()]
+    if base.parent.name == "snapshots":
+        roots.append((base.parent.parent / "blobs").resolve())
+    target = path.resolve()
+    return any(target == r or r in target.parents for r in roots)
 
 
 @dataclass

@@ -7,8 +7,9 @@ so an A/B comparison needs only that variable.
 
 ``register()``:
 - registers the ``cpu_int4`` quantization method when the module
-  ``cpu_quant.runtime_patches.cpu_int4`` exists (its ``register()`` does the registration; the
-  method must then be listed in vLLM's ``QUANTIZATION_METHODS``);
+  ``cpu_quant.runtime_patches.cpu_int4`` exists: its ``register()`` does the registration, and
+  this plugin then checks with vLLM (``get_quantization_config("cpu_int4")``) that the method is
+  listed and maps to that module's ``CpuInt4Config``; switch ``CPU_QUANT_PATCH_CPU_INT4=0``;
 - applies each patch module in ``PATCH_MODULES``; each exposes ``NAME``, ``ENV_SWITCH`` and
   ``apply() -> PatchOutcome`` and checks its own target before touching it;
 - logs exactly one line per item: ``cpu_quant patch <name>: <status> (<reason>)`` on the
@@ -41,6 +42,7 @@ logger = logging.getLogger("vllm.cpu_quant")
 
 PATCH_MODULES: tuple[str, ...] = ("kv_budget", "release_memory", "aot_cache")
 CPU_INT4_MODULE = f"{__name__}.cpu_int4"
+CPU_INT4_SWITCH = "CPU_QUANT_PATCH_CPU_INT4"
 
 # Statuses a PatchOutcome can carry, and the log level each is reported at. "skipped" means the
 # target is missing, changed or already fixed upstream: worth a warning, because the fix is not
@@ -127,8 +129,13 @@ def _apply_patch(name: str) -> PatchOutcome:
 
 
 def _register_cpu_int4() -> PatchOutcome:
+    """Import ``cpu_int4`` and call its ``register()``, then check with vLLM that the method is
+    there and is that module's config class (``CpuInt4Config``)."""
     name = "cpu_int4"
     try:
+        off = switch_state(CPU_INT4_SWITCH)
+        if off is not None:
+            return PatchOutcome(name, "off" if off.startswith("switched off") else "skipped", off)
         if importlib.util.find_spec(CPU_INT4_MODULE) is None:
             return PatchOutcome(name, "absent", f"{CPU_INT4_MODULE} not installed; quantization "
                                 "method cpu_int4 not registered")
@@ -137,11 +144,19 @@ def _register_cpu_int4() -> PatchOutcome:
         if not callable(hook):
             return PatchOutcome(name, "failed", f"{CPU_INT4_MODULE} has no register()")
         hook()
-        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        from vllm.model_executor.layers.quantization import (
+            QUANTIZATION_METHODS,
+            get_quantization_config,
+        )
 
-        if "cpu_int4" not in QUANTIZATION_METHODS:
+        if name not in QUANTIZATION_METHODS:
             return PatchOutcome(name, "failed", "register() ran but vLLM does not list cpu_int4 "
                                 "among its quantization methods")
+        found = get_quantization_config(name)
+        ours = getattr(module, "CpuInt4Config", None)
+        if ours is not None and found is not ours:
+            return PatchOutcome(name, "skipped", f"vLLM already maps cpu_int4 to "
+                                f"{found.__module__}.{found.__qualname__}; left in place")
         return PatchOutcome(name, "applied", "quantization method cpu_int4 registered")
     except Exception as exc:
         return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
