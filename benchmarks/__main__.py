@@ -213,13 +213,34 @@ def plot_results(results: list[Path], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     out.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
-    for p in results:
-        r = json.loads(p.read_text())
-        if r["suite"] == "fidelity":
-            paths += _plot_fidelity(r, out)
-        elif r["suite"] == "quantize":
+    loaded = [json.loads(p.read_text()) for p in results]
+    fidelity = [r for r in loaded if r["suite"] == "fidelity"]
+    if fidelity:
+        paths += _plot_fidelity(_merge_fidelity(fidelity), out)
+    for r in loaded:
+        if r["suite"] == "quantize":
             paths += _plot_quantize(r, out)
     return paths
+
+
+def _merge_fidelity(results: list[dict]) -> dict:
+    """Several fidelity runs as one figure, their arms side by side; only runs with the same
+    evaluation settings and source (the evaluation is deterministic) may be merged."""
+    if len(results) == 1:
+        return results[0]
+    first = results[0]["provenance"]["settings"]
+    for r in results[1:]:
+        s = r["provenance"]["settings"]
+        if (s["eval"], s["source"], r["smoke"]) != (first["eval"], first["source"],
+                                                     results[0]["smoke"]):
+            raise ValueError("fidelity results with different evaluation settings or sources "
+                             "cannot share a plot")
+    merged = dict(results[0], summary={}, records=[])
+    for r in results:
+        for arm, per in r["summary"].items():
+            merged["summary"].setdefault(arm, per)
+        merged["records"] += r["records"]
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:

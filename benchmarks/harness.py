@@ -90,6 +90,8 @@ class Metric:
 
 
 WALL_SECONDS = Metric("wall_seconds", "s", "lower")
+# user + system CPU time of the process tree: steadier than wall time on a shared machine
+CPU_SECONDS = Metric("cpu_seconds", "s", "lower")
 PEAK_RSS_ANON = Metric("peak_rss_anon_bytes", "B", "lower")
 
 
@@ -110,6 +112,7 @@ class RunRecord:
     rss: dict
     stdout_tail: str
     stderr_tail: str
+    cpu_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -133,6 +136,7 @@ def run_measured(cmd: Command, rss_interval: float = DEFAULT_INTERVAL,
     directory when None), so a long run can be followed with ``tail -f`` and a chatty tool
     cannot fill the harness' memory; the record keeps their tails.
     """
+    import resource
     import tempfile
 
     env = {**os.environ, **cmd.env}
@@ -141,6 +145,7 @@ def run_measured(cmd: Command, rss_interval: float = DEFAULT_INTERVAL,
         logs.mkdir(parents=True, exist_ok=True)
         out_path, err_path = logs / "stdout.log", logs / "stderr.log"
         with open(out_path, "w") as out_fh, open(err_path, "w") as err_fh:
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
             proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=env, stdout=out_fh,
                                     stderr=err_fh, start_new_session=True)
@@ -152,12 +157,14 @@ def run_measured(cmd: Command, rss_interval: float = DEFAULT_INTERVAL,
                 proc.wait()
                 status = None
             wall = time.perf_counter() - t0
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)  # waited-for tree, this run only
             sampler.stop()
         err = _read_tail(err_path, STDERR_TAIL)
         if status is None:
             err += f"\n[harness] killed after the {cmd.timeout} s timeout"
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         return RunRecord(list(cmd.argv), status, round(wall, 3), sampler.as_dict(),
-                         _read_tail(out_path, STDOUT_TAIL), err)
+                         _read_tail(out_path, STDOUT_TAIL), err, round(cpu, 3))
 
 
 # -- arms and suites --------------------------------------------------------------------------
@@ -222,6 +229,7 @@ class PassRecord:
     exit_status: int | None
     error: str | None
     wall_seconds: float | None
+    cpu_seconds: float | None
     rss: dict
     metrics: dict[str, float]
     extras: dict
@@ -314,7 +322,8 @@ def compare(metric: Metric, baseline: Sequence[float | None], other: Sequence[fl
 def _failed(arm: str, p: int, pos: int, status: int | None, error: str, run: RunRecord | None
             ) -> PassRecord:
     return PassRecord(arm, p, pos, False, status, error,
-                      run.wall_seconds if run else None, run.rss if run else {}, {}, {}, {},
+                      run.wall_seconds if run else None, run.cpu_seconds if run else None,
+                      run.rss if run else {}, {}, {}, {},
                       run.stderr_tail if run else "", run.argv if run else [])
 
 
@@ -332,6 +341,7 @@ def run_pass(arm: Arm, ctx: PassContext, metric_names: set[str], rss_interval: f
     try:
         metrics = dict(arm.collect(ctx, run))
         metrics.setdefault(WALL_SECONDS.name, run.wall_seconds)
+        metrics.setdefault(CPU_SECONDS.name, run.cpu_seconds)
         metrics.setdefault(PEAK_RSS_ANON.name, run.rss["peak_rss_anon_bytes"])
         missing = sorted(n for n in metric_names if n not in metrics)
         if missing:
@@ -343,8 +353,8 @@ def run_pass(arm: Arm, ctx: PassContext, metric_names: set[str], rss_interval: f
     except Exception as exc:
         return _failed(arm.name, p, pos, run.exit_status, f"output unreadable: {exc}", run)
     kept = {k: float(v) for k, v in metrics.items() if k in metric_names}
-    return PassRecord(arm.name, p, pos, True, run.exit_status, None, run.wall_seconds, run.rss,
-                      kept, extras, digests, run.stderr_tail, run.argv)
+    return PassRecord(arm.name, p, pos, True, run.exit_status, None, run.wall_seconds,
+                      run.cpu_seconds, run.rss, kept, extras, digests, run.stderr_tail, run.argv)
 
 
 def summarize(metrics: Sequence[Metric], arm_names: Sequence[str], passes: int,

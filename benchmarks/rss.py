@@ -23,19 +23,29 @@ PROC = Path("/proc")
 DEFAULT_INTERVAL = 0.1
 
 try:  # one reader of RssAnon for the whole project, when the runtime side provides it
-    from cpu_quant.runtime_patches.memory import anon_rss_bytes  # type: ignore[attr-defined]
-except ImportError:
+    from cpu_quant.runtime_patches.memory import anon_rss_bytes as _project_anon_rss
+except ImportError:  # pragma: no cover - older trees
+    _project_anon_rss = None
 
-    def anon_rss_bytes(pid: int) -> int:
-        """``RssAnon`` of one process in bytes; 0 if it is gone or is a kernel thread."""
+
+def anon_rss_bytes(pid: int) -> int:
+    """``RssAnon`` of one process (not its children) in bytes; 0 if it is gone or has no mm."""
+    if _project_anon_rss is not None:
+        from cpu_quant.errors import CpuQuantError
+
         try:
-            with open(PROC / str(pid) / "status") as fh:
-                for line in fh:
-                    if line.startswith("RssAnon:"):
-                        return int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            # tree=False: this module walks the tree itself; summing per-pid trees double counts
+            return _project_anon_rss(pid, tree=False)
+        except CpuQuantError:  # it exited between being listed and being read
             return 0
+    try:
+        with open(PROC / str(pid) / "status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
         return 0
+    return 0
 
 
 def _parent_of(pid: int) -> int | None:
@@ -109,6 +119,7 @@ class TreeRssSampler:
         self.peak_bytes = 0
         self.peak_processes = 0
         self.samples = 0
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"rss-{pid}", daemon=True)
 
@@ -122,7 +133,10 @@ class TreeRssSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._sample()
+            try:
+                self._sample()
+            except Exception as exc:  # never stop sampling silently: count and keep going
+                self.errors.append(f"{type(exc).__name__}: {exc}")
             self._stop.wait(self.interval)
 
     def start(self) -> TreeRssSampler:
@@ -136,4 +150,6 @@ class TreeRssSampler:
 
     def as_dict(self) -> dict:
         return {"peak_rss_anon_bytes": self.peak_bytes, "peak_processes": self.peak_processes,
-                "samples": self.samples, "interval_s": self.interval}
+                "samples": self.samples, "interval_s": self.interval,
+                "sample_errors": len(self.errors), "first_error": self.errors[0] if self.errors
+                else None}

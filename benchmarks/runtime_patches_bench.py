@@ -21,7 +21,8 @@ MODEL OUT.json``, that starts the engine twice through ``tests/runtime_patches_e
 a fresh ``VLLM_CACHE_ROOT`` private to that arm and pass (compile caches key on config, so
 arms must never share one), then a **warm** start on the same cache. Both use
 ``kv_cache_memory_bytes=128 MiB``, ``max_model_len=256``, bf16 activations, and
-``VLLM_CPU_KVCACHE_SPACE=""`` (ignored by vLLM when empty), ``VLLM_CPU_OMP_THREADS_BIND`` = every
+``VLLM_CPU_KVCACHE_SPACE`` unset (the pass removes the empty value the harness passes), and
+``VLLM_CPU_OMP_THREADS_BIND`` = every
 CPU of the affinity mask, so both arms allocate the same KV
 cache and the KV-budget patch cannot change the memory compared.
 
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,13 +75,21 @@ ARMS = {"stock": "", "patched": "cpu_quant"}  # arm -> VLLM_PLUGINS
 def _start(model: str, env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(ENGINE), model, "--compile", "--kv-bytes", str(KV_BYTES)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    # own session: on a timeout the engine core and worker go too, not just the runner
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nkilled after {ENGINE_TIMEOUT_S} s"
     wall = time.perf_counter() - t0
-    log = proc.stdout + proc.stderr
+    log = out + err
     if proc.returncode != 0:
         sys.stderr.write(log[-4000:])
         raise SystemExit(f"engine start failed with exit status {proc.returncode}")
-    result = json.loads(next(line for line in proc.stdout.splitlines()
+    result = json.loads(next(line for line in out.splitlines()
                              if line.startswith("RESULT "))[len("RESULT "):])
     result.update({
         "process_wall_seconds": wall,
@@ -95,6 +105,10 @@ def _start(model: str, env: dict[str, str]) -> dict:
 
 def one_pass(model: str, out: Path) -> None:
     env = dict(os.environ)
+    # The harness can only add variables; an empty VLLM_CPU_KVCACHE_SPACE is its way of saying
+    # "unset" (vLLM's envs.py would fail on int("")).
+    if env.get("VLLM_CPU_KVCACHE_SPACE") == "":
+        del env["VLLM_CPU_KVCACHE_SPACE"]
     cold = _start(model, env)
     warm = _start(model, env)
     tmp = out.with_name(out.name + ".tmp")
@@ -161,7 +175,7 @@ def build_suite(label: str, model: Path) -> Suite:
         metrics=METRICS, arms=arms, baseline="stock",
         settings={"artifact": label, "model": str(model), "kv_cache_memory_bytes": KV_BYTES,
                   "max_model_len": 256, "dtype": "bfloat16", "enforce_eager": False,
-                  "VLLM_CPU_KVCACHE_SPACE": "", "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
+                  "VLLM_CPU_KVCACHE_SPACE": None, "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
                   "torch_threads": torch.get_num_threads()},
         inputs={label: model},
         notes=["start times exclude interpreter start and imports (process_wall_seconds in the "

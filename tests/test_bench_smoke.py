@@ -4,7 +4,8 @@ One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
 ``python -m benchmarks run SUITE --smoke``. To stay within the time budget each run takes a
 subset of its arms (quantize: cpu-quant GPTQ and GPTQModel; fidelity: data-free RTN, GPTQ and
-GPTQModel); the full arm lists run with ``python -m benchmarks run SUITE --smoke``. GPTQModel
+GPTQModel, the last two evaluated from the quantize run's artifacts through ``--artifact``);
+the full arm lists run with ``python -m benchmarks run SUITE --smoke``. GPTQModel
 may only be skipped when its venv is absent, and then the skip must be written in the result
 file.
 """
@@ -56,15 +57,26 @@ def _check_common(result: dict, expected_arms: set[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def quantize_result(tmp_path_factory) -> dict:
-    return _run_smoke("quantize", tmp_path_factory.mktemp("bench-quantize"),
-                      "--arms", "cpu-quant-gptq,gptqmodel")
+def quantize_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-quantize")
 
 
 @pytest.fixture(scope="module")
-def fidelity_result(tmp_path_factory) -> dict:
+def quantize_result(quantize_dir) -> dict:
+    return _run_smoke("quantize", quantize_dir, "--arms", "cpu-quant-gptq,gptqmodel")
+
+
+@pytest.fixture(scope="module")
+def fidelity_result(tmp_path_factory, quantize_dir, quantize_result) -> dict:
+    # the quantize run's artifacts are the fidelity arms gptq and gptqmodel: evaluate them
+    # (after the arm checks them) instead of building them again
+    prebuilt = []
+    for quantize_arm, fidelity_arm in (("cpu-quant-gptq", "gptq"), ("gptqmodel", "gptqmodel")):
+        artifact = quantize_dir / "work" / "pass-0" / quantize_arm / "artifact"
+        if artifact.is_dir():
+            prebuilt += ["--artifact", f"{fidelity_arm}={artifact}"]
     return _run_smoke("fidelity", tmp_path_factory.mktemp("bench-fidelity"),
-                      "--arms", "rtn,gptq,gptqmodel")
+                      "--arms", "rtn,gptq,gptqmodel", *prebuilt)
 
 
 def test_quantize_suite_smoke(quantize_result):
@@ -80,6 +92,8 @@ def test_quantize_suite_smoke(quantize_result):
 
 def test_fidelity_suite_smoke(fidelity_result):
     _check_common(fidelity_result, {"rtn", "gptq", "gptqmodel"})
+    assert fidelity_result["arms"]["gptq"]["prebuilt"]  # taken from the quantize run
+    assert set(fidelity_result["builds"]) == {"rtn"}
     for rec in fidelity_result["records"]:
         if not rec["ok"]:
             continue

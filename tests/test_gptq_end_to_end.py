@@ -26,9 +26,10 @@ PROMPTS = [
     "It is a truth universally acknowledged that",
 ]
 NEW_TOKENS = 24
-# vLLM and torch reduce in different orders, so two candidate tokens whose log-probs are
-# closer than this can swap. Outside such near-ties the tokens must be identical.
-NEAR_TIE_NATS = 0.1
+# vLLM and torch reduce in different orders and both round logits to bf16, whose spacing at
+# logit magnitudes of 8-32 is 0.0625-0.25; two candidate tokens whose log-probs are closer than
+# about one such step can swap. Outside such near-ties the tokens must be identical.
+NEAR_TIE_NATS = 0.3
 
 
 def test_config_describes_a_vllm_cpu_checkpoint(gptq_artifact: Path):
@@ -92,7 +93,8 @@ def test_packing_round_trips_through_vllm_unpacking(gptq_artifact: Path):
 def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    # stock vLLM: no general plugin (ours included) may touch the load path
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="stock-only")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "vllm_generate.py"),
                            str(model_dir), str(prompts_file), str(NEW_TOKENS)],
                           capture_output=True, text=True, timeout=900, env=env)

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -78,14 +79,21 @@ def run_engine(name: str, model: Path, env: dict[str, str], *, compile_model: bo
     if compile_model:
         cmd.append("--compile")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    # own session: on a timeout the whole tree (engine core, worker) goes, not just the helper
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[test] killed after {ENGINE_TIMEOUT_S} s"
     wall = time.perf_counter() - t0
-    log = proc.stdout + proc.stderr
     result = None
-    for line in proc.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-    return EngineRun(name, proc.returncode, log, wall, result)
+    return EngineRun(name, proc.returncode, out + err, wall, result)
 
 
 def expected_kv_blocks(model: Path, kv_bytes: int, block_size: int) -> int:
@@ -126,19 +134,22 @@ def engines(demo_model: Path, tmp_path_factory: pytest.TempPathFactory,
         return cold, warm
 
     pool = ThreadPoolExecutor(max_workers=2)
-    futures: dict[str, Future] = {"compile": pool.submit(compile_pair)}
-    gptq_artifact: Path = request.getfixturevalue("gptq_artifact")
-    eager = {
-        "patched": (gptq_artifact, {}),
-        "release_off": (gptq_artifact, {"CPU_QUANT_PATCH_RELEASE_MEMORY": "0"}),
-        "kv_off": (gptq_artifact, {"CPU_QUANT_PATCH_KV_BUDGET": "0"}),
-        "stock": (demo_model, {"VLLM_PLUGINS": ""}),
-        "simulated": (demo_model, {"CPU_QUANT_TEST_SIMULATE_UPSTREAM": "1"}),
-    }
-    for name, (model, overrides) in eager.items():
-        futures[name] = pool.submit(run_engine, name, model, _engine_env(cache(name), **overrides))
-    yield futures
-    pool.shutdown(wait=True)
+    try:
+        futures: dict[str, Future] = {"compile": pool.submit(compile_pair)}
+        gptq_artifact: Path = request.getfixturevalue("gptq_artifact")
+        eager = {
+            "patched": (gptq_artifact, {}),
+            "release_off": (gptq_artifact, {"CPU_QUANT_PATCH_RELEASE_MEMORY": "0"}),
+            "kv_off": (gptq_artifact, {"CPU_QUANT_PATCH_KV_BUDGET": "0"}),
+            "stock": (demo_model, {"VLLM_PLUGINS": ""}),
+            "simulated": (demo_model, {"CPU_QUANT_TEST_SIMULATE_UPSTREAM": "1"}),
+        }
+        for name, (model, overrides) in eager.items():
+            futures[name] = pool.submit(run_engine, name, model,
+                                        _engine_env(cache(name), **overrides))
+        yield futures
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _get(engines: dict[str, Future], name: str):
@@ -266,6 +277,8 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     status = {o["name"]: o["status"] for o in result["first"]}
     assert status["kv_budget"] == "applied" and status["aot_cache"] == "applied"
     assert status["release_memory"] == "deferred"  # no worker module in this process
+    has_int4 = importlib.util.find_spec("cpu_quant.runtime_patches.cpu_int4") is not None
+    assert status["cpu_int4"] == ("applied" if has_int4 else "absent")
     assert result["same"] and not result["double_wrapped"]
     assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied"]
     assert all("already" in o["reason"] for o in result["again"] if o["name"] != "release_memory")

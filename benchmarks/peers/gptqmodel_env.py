@@ -8,7 +8,8 @@ overrides the cache root, as for the demo model). Installation:
 2. ``pip install torch==2.13.0`` under a constraints file that pins it to the CPU build
    (``torch==2.13.0+cpu``, which only the local wheel satisfies: PyPI's plain ``2.13.0`` is
    the CUDA build and would drag in ``nvidia-*``);
-3. ``pip install gptqmodel==7.6.0`` under the same constraints;
+3. ``pip install gptqmodel==7.6.0 optimum==2.3.0`` under the same constraints (optimum is what
+   transformers' own GPTQ integration loads through; ``tests/test_peer_loaders.py`` needs it);
 4. a check that the venv holds no ``nvidia-*``/``triton`` distribution and that
    ``torch.version.cuda is None``; otherwise the venv is deleted and the install fails.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GPTQMODEL_VERSION = "7.6.0"
+OPTIMUM_VERSION = "2.3.0"
 TORCH_PIN = "2.13.0"
 RUNNER = Path(__file__).with_name("gptqmodel_runner.py")
 
@@ -97,6 +99,7 @@ def _check_no_cuda(python: Path) -> dict:
         "bad = [d for d in dists if d.lower().startswith(('nvidia-', 'triton'))]\n"
         "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'bad': bad,\n"
         "  'gptqmodel': md.version('gptqmodel'), 'transformers': md.version('transformers'),\n"
+        "  'optimum': md.version('optimum'),\n"
         "  'numpy': md.version('numpy')}))\n"
     )
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
@@ -130,7 +133,7 @@ def install(force: bool = False, log_path: Path | None = None) -> PeerEnv:
             if Path("/opt/wheels").is_dir():
                 pip += ["--find-links", "/opt/wheels"]
             _run(pip + [f"torch=={TORCH_PIN}"], log)
-            _run(pip + [f"gptqmodel=={GPTQMODEL_VERSION}"], log)
+            _run(pip + [f"gptqmodel=={GPTQMODEL_VERSION}", f"optimum=={OPTIMUM_VERSION}"], log)
             versions = _check_no_cuda(venv_python(staging))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -27,8 +27,10 @@ requests 2 workers but parent 'cpu' only has 1": it sizes its CPU pool as
 ``(cpu_count + 1) // 2`` but always asks 2 loader workers); the arm sets
 ``GPTQMODEL_CPU_WORKERS=2`` (its documented override), recorded in the arm's settings.
 
-Metrics: ``wall_seconds`` (the whole process, imports included, as a user waits for it) and
-``peak_rss_anon_bytes`` (summed over the process tree), both lower-is-better. Each pass also
+Metrics: ``wall_seconds`` (the whole process, imports included, as a user waits for it),
+``cpu_seconds`` (user + system time of the process tree, steadier than wall time when the
+machine is shared) and ``peak_rss_anon_bytes`` (summed over the process tree), all
+lower-is-better. Each pass also
 records, as extras, the tool's own phase times and the bits per weight of its artifact.
 
 Smoke mode (CI) runs a tiny random Llama (hidden 64, so the same group-64 fallback applies)
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..harness import (
+    CPU_SECONDS,
     PEAK_RSS_ANON,
     WALL_SECONDS,
     Arm,
@@ -341,7 +344,7 @@ def build(opts: SuiteOptions) -> Suite:
         description="Wall time and peak RssAnon (process tree) of quantizing "
                     f"{'a tiny random Llama (smoke)' if opts.smoke else 'the demo model'}: "
                     "cpu-quant vs GPTQModel 7.6.0, same settings, same calibration windows",
-        metrics=[WALL_SECONDS, PEAK_RSS_ANON],
+        metrics=[WALL_SECONDS, CPU_SECONDS, PEAK_RSS_ANON],
         arms=arms,
         settings={"source": str(src), **settings, "head": "bf16 (--no-lm-head / lm_head=False)",
                   "matched_dynamic": dynamic},

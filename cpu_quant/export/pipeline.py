@@ -26,7 +26,14 @@ import torch
 from ..errors import CpuQuantError, VerificationFailed
 from ..io.artifact import StagedOutput
 from . import qnn, xnnpack
-from .model import StaticCausalLM, check_max_seq_len, load_static_lm, read_spec
+from .model import (
+    StaticCausalLM,
+    check_max_seq_len,
+    export_methods,
+    load_static_lm,
+    read_spec,
+    use_mean4d_norms,
+)
 from .report import count_ops, float32_bytes, json_safe, provenance, sha256_file
 from .runner import GraphShape
 from .verify import PROMPTS, pte_step_functions, verify
@@ -115,12 +122,6 @@ def check_no_overlap(calib_windows: list[list[int]], heldout_windows: list[list[
                                 "verification; calibrate on different text")
 
 
-def _export_methods(model: torch.nn.Module, shape: GraphShape) -> dict:
-    with torch.no_grad():
-        return {name: torch.export.export(model, shape.example_inputs(t), strict=False)
-                for name, t in qnn.method_lengths(shape).items()}
-
-
 def eager_graphs(programs: dict) -> dict[str, torch.nn.Module]:
     """The exported quantized programs as runnable torch modules, with constant subgraphs (the
     weights' dequantize ops) folded once. Exact: the folded constants are what the ops compute
@@ -132,9 +133,10 @@ def eager_graphs(programs: dict) -> dict[str, torch.nn.Module]:
 
 def build_xnnpack(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings) -> Built:
     scheme = settings.resolved_scheme
+    use_mean4d_norms(model)
     if scheme != "fp32":
         xnnpack.quantize_for_xnnpack(model, scheme, settings.group_size)
-    programs = _export_methods(model, shape)
+    programs = export_methods({name: model for name in shape.methods()}, shape)
     eager = eager_graphs(programs)
     manager = xnnpack.lower_to_xnnpack(programs)
     calibration = {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
@@ -151,13 +153,8 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
     stats = qnn.calibrate(prepared, shape, calib_windows, settings.calib_decode_tokens,
                           progress=bar.update)
     bar.close()
-    if not calib_windows:
-        # Observers need one pass; the trace input (token ids 1..T) is as good as no data.
-        with torch.no_grad():
-            for name, t in qnn.method_lengths(shape).items():
-                prepared[name](*shape.example_inputs(t))
     converted = qnn.convert(prepared)
-    programs = qnn.export_quantized(converted, shape)
+    programs = export_methods(converted, shape)
     eager = eager_graphs(programs)
     calibration = {"source": settings.calib or "austen (built-in calibration split)",
                    **asdict(stats)}
@@ -167,7 +164,7 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
     extra = {f"qnn_{name}.pt2": "calibrated quantized program (torch.export) for QNN lowering"
              for name in programs}
     if qnn.qnn_sdk_root() is not None:
-        manager = qnn.lower_to_qnn(converted, shape, settings.soc)
+        manager = qnn.lower_to_qnn(programs, shape, settings.soc)
         lowering = "htp"
     else:
         manager = qnn.lower_to_portable(programs)
@@ -175,14 +172,14 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
     return Built(manager, eager, calibration, extra, lowering, programs)
 
 
-def _heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
+def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     from ..data.corpus import builtin_split, token_windows
 
     length = min(settings.verify_len, settings.max_seq_len)
     return token_windows(tok, builtin_split("heldout"), settings.verify_windows, length)
 
 
-def _calibration_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
+def calibration_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     from ..data.corpus import load_texts, token_windows
 
     if settings.calib_samples == 0:
@@ -206,10 +203,10 @@ def _prompts(tok, settings: PhoneExportSettings) -> tuple[list[str], list[list[i
 
 
 QNN_NEXT_STEP = (
-    "On a machine with Qualcomm's QNN SDK (QNN_SDK_ROOT set, executorch 1.5.1 installed), run "
-    "the same command again to lower to the HTP, or lower qnn_prefill.pt2/qnn_decode.pt2 with "
-    "executorch.backends.qualcomm.utils.utils.to_edge_transform_and_lower_to_qnn "
-    "(see docs/phone.md)."
+    "On a machine with Qualcomm's QNN SDK (QNN_SDK_ROOT set, executorch 1.5.1): run the same "
+    "command there, or lower these saved programs with "
+    "python -c 'from cpu_quant.export.qnn import finish_qnn_lowering as f; f(\"{out}\", "
+    "\"{soc}\")', which writes {out}/model_htp.pte (docs/phone.md)."
 )
 
 
@@ -225,8 +222,8 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     spec = read_spec(src)
     check_max_seq_len(spec, settings.max_seq_len)
     tok = _load_tokenizer(src)
-    calib_windows = _calibration_windows(tok, settings) if settings.backend == "qnn" else []
-    heldout = _heldout_windows(tok, settings)
+    calib_windows = calibration_windows(tok, settings) if settings.backend == "qnn" else []
+    heldout = heldout_windows(tok, settings)
     check_no_overlap(calib_windows, heldout)
     prompt_texts, prompts = _prompts(tok, settings)
 
@@ -293,7 +290,8 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
         if settings.backend == "qnn":
             report["qnn_lowering"] = built.qnn_lowering
             if built.qnn_lowering != "htp":
-                report["qnn_next_step"] = QNN_NEXT_STEP
+                report["qnn_next_step"] = QNN_NEXT_STEP.format(out=Path(out).absolute(),
+                                                               soc=settings.soc)
         staged.write_json("export_report.json", json_safe(report))
         staged.commit()
     return report

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import CpuQuantError
+from .model import export_methods
 from .runner import GraphShape, StaticKVRunner
 
 QNN_SCHEMES = ("w8a16",)
@@ -76,16 +78,8 @@ def prepare(model: torch.nn.Module, shape: GraphShape) -> dict[str, torch.fx.Gra
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
     quantizer = make_quantizer()
-    prepared = {}
-    with torch.no_grad():
-        for name, t in method_lengths(shape).items():
-            ep = torch.export.export(model, shape.example_inputs(t), strict=False)
-            prepared[name] = prepare_pt2e(ep.module(), quantizer)
-    return prepared
-
-
-def method_lengths(shape: GraphShape) -> dict[str, int]:
-    return {"prefill": shape.prefill_len, "decode": 1}
+    programs = export_methods({name: model for name in shape.methods()}, shape)
+    return {name: prepare_pt2e(ep.module(), quantizer) for name, ep in programs.items()}
 
 
 @dataclass
@@ -98,11 +92,19 @@ class CalibrationStats:
 @torch.no_grad()
 def calibrate(prepared: dict[str, torch.fx.GraphModule], shape: GraphShape,
               windows: list[list[int]], decode_tokens: int,
-              progress=None) -> CalibrationStats:
+              progress: Callable[[], object] | None = None) -> CalibrationStats:
     """Each window is prefilled except its last ``decode_tokens`` tokens, which are decoded one
-    at a time, so both graphs see real text in the way they are used."""
-    runner = StaticKVRunner(shape, prepared["prefill"], prepared["decode"])
+    at a time, so both graphs see real text in the way they are used.
+
+    No windows means no calibration: the observers then see only the trace input (token ids
+    1..T), the baseline that shows what calibration is worth.
+    """
     stats = CalibrationStats(0, 0, 0)
+    if not windows:
+        for name, t in shape.methods().items():
+            prepared[name](*shape.example_inputs(t))
+        return stats
+    runner = StaticKVRunner(shape, prepared["prefill"], prepared["decode"])
     for window in windows:
         split = max(1, len(window) - decode_tokens)
         runner.reset()
@@ -142,14 +144,6 @@ def convert(prepared: dict[str, torch.fx.GraphModule]) -> dict[str, torch.fx.Gra
     return converted
 
 
-def export_quantized(converted: dict[str, torch.fx.GraphModule], shape: GraphShape
-                     ) -> dict[str, torch.export.ExportedProgram]:
-    lengths = method_lengths(shape)
-    with torch.no_grad():
-        return {name: torch.export.export(gm, shape.example_inputs(lengths[name]), strict=False)
-                for name, gm in converted.items()}
-
-
 def save_programs(programs: dict[str, torch.export.ExportedProgram], directory: Path
                   ) -> list[str]:
     files = []
@@ -174,8 +168,15 @@ def lower_to_portable(programs: dict[str, torch.export.ExportedProgram]):
     return edge.to_executorch(ExecutorchBackendConfig())
 
 
-def lower_to_qnn(converted: dict[str, torch.fx.GraphModule], shape: GraphShape, soc: str):
-    """HTP program with QnnPartitioner. Needs QNN_SDK_ROOT (Qualcomm's SDK); untested here."""
+def lower_to_qnn(programs: dict[str, torch.export.ExportedProgram], shape: GraphShape,
+                 soc: str):
+    """HTP program with ``QnnPartitioner``. Needs QNN_SDK_ROOT (Qualcomm's SDK); untested here.
+
+    Takes the same calibrated programs that are saved as ``qnn_<method>.pt2``, so lowering in
+    the command and lowering the saved files later (``finish_qnn_lowering``) are one path.
+    """
+    if qnn_sdk_root() is None:
+        raise CpuQuantError("lowering to the HTP needs Qualcomm's QNN SDK: set QNN_SDK_ROOT")
     from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
     from executorch.backends.qualcomm.utils.utils import (
         generate_htp_compiler_spec,
@@ -183,15 +184,39 @@ def lower_to_qnn(converted: dict[str, torch.fx.GraphModule], shape: GraphShape, 
         to_edge_transform_and_lower_to_qnn,
     )
 
-    if qnn_sdk_root() is None:
-        raise CpuQuantError("lowering to the HTP needs Qualcomm's QNN SDK: set QNN_SDK_ROOT")
     try:
         chipset = getattr(QcomChipset, soc)
     except AttributeError:
         raise CpuQuantError(f"unknown Qualcomm SoC {soc!r} (e.g. SM8550, SM8650, SM8750)") from None
     specs = generate_qnn_executorch_compiler_spec(
         soc_model=chipset, backend_options=generate_htp_compiler_spec(use_fp16=False))
-    lengths = method_lengths(shape)
-    inputs = {name: shape.example_inputs(lengths[name]) for name in converted}
-    edge = to_edge_transform_and_lower_to_qnn(dict(converted), inputs, specs)
+    lengths = shape.methods()
+    modules = {name: program.module() for name, program in programs.items()}
+    inputs = {name: shape.example_inputs(lengths[name]) for name in programs}
+    edge = to_edge_transform_and_lower_to_qnn(modules, inputs, specs)
     return edge.to_executorch()
+
+
+def load_saved_programs(directory: Path) -> dict[str, torch.export.ExportedProgram]:
+    """``qnn_prefill.pt2`` and ``qnn_decode.pt2`` of an export-phone output directory."""
+    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops
+
+    return {name: torch.export.load(str(directory / f"qnn_{name}.pt2"))
+            for name in ("prefill", "decode")}
+
+
+def finish_qnn_lowering(directory: str | Path, soc: str = DEFAULT_SOC) -> Path:
+    """On a machine with the QNN SDK: lower a qnn export's saved programs to
+    ``model_htp.pte`` in the same directory (written to a temporary name, then renamed)."""
+    import json
+
+    directory = Path(directory)
+    report = json.loads((directory / "export_report.json").read_text())
+    shape = GraphShape(**report["graph"])
+    manager = lower_to_qnn(load_saved_programs(directory), shape, soc)
+    target = directory / "model_htp.pte"
+    tmp = directory / ".model_htp.pte.partial"
+    with open(tmp, "wb") as fh:
+        manager.write_to_file(fh)
+    os.replace(tmp, target)
+    return target

@@ -35,6 +35,10 @@ class GraphShape:
     max_seq_len: int
     prefill_len: int
 
+    def methods(self) -> dict[str, int]:
+        """Method name -> rows per call, for the two methods of every exported program."""
+        return {"prefill": self.prefill_len, "decode": 1}
+
     def example_inputs(self, t: int) -> tuple[torch.Tensor, ...]:
         """Valid inputs for a call with ``t`` rows at position 0 (what export traces with)."""
         return step_inputs(self, list(range(1, t + 1)), 0, t, *self.empty_cache())

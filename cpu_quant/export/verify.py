@@ -15,16 +15,24 @@ Metrics (all on the built-in held-out split, never on calibration text):
 * greedy continuations of ``PROMPTS`` through prefill + single-token decode, and the SNR of the
   decode-method logits over the steps where both arms had been fed the same tokens.
 
-Tolerance (``pte`` vs ``quantized``, the program against its own eager graph): logit SNR
-≥ ``MIN_SNR_DB`` (20 dB) on prefill and on decode, and top-1 agreement ≥ ``MIN_TOP1`` (0.90).
-Why: both arms compute the same quantized model; what legitimately differs is accumulation order
-and the odd rounding flip at a requantization step. Measured on SmolLM2 (4 layers, 64 held-out
-tokens): XNNPACK 8da8w 43 dB, 8da4w 52 dB (bf16 scales matched), portable w8a16 56 dB, all with
-top-1 1.00. A wrong program is far below: the XNNPACK int8 weight-only export measured -36 dB.
-20 dB (noise at 1% of the logit power) leaves >15 dB margin on both sides, and is still tighter
-than the quantization error itself (8da4w vs float ≈ 21 dB), so a program that passes is
-closer to its eager graph than the scheme is to float. Top-1 at 0.90 allows near-tie flips,
-which the SNR check would not explain away.
+Tolerance (``pte`` vs ``quantized``, the program against its own eager graph), applied to the
+prefill logits and to the decode logits:
+
+* SNR ≥ ``min(MIN_SNR_DB, SNR(quantized, float) − QUANT_NOISE_MARGIN_DB)``: 20 dB, or the
+  scheme's own quantization noise less 6 dB when that is lower (never below 0 dB);
+* top-1 agreement ≥ ``min(MIN_TOP1, top1(quantized, float) − TOP1_MARGIN)``: 0.90, or the
+  scheme's own agreement with float less 0.10 (never below 0.5).
+
+Why relative: a correct program and its eager graph compute the same quantized model, but in
+a different float order; where a value sits on a rounding boundary of a dynamic (per-token)
+activation quantizer the two round differently, and each such flip is one quantization step.
+The flips compound with depth, so their effect is bounded by the quantization noise itself,
+not by float epsilon. Measured: one 8da8w linear on real SmolLM2 activations, XNNPACK vs eager
+133 dB (bit-level); the 4-layer model 41 dB (quantization noise 34 dB); the 30-layer demo model
+23.0 dB with top-1 0.92 (quantization noise 20.4 dB, top-1 0.89). A broken program is nowhere
+near: XNNPACK's int8 weight-only export measured -36 dB and top-1 0.0 against its eager graph.
+The 20 dB / 0.90 caps keep near-lossless schemes (w8a16: 56 dB portable vs eager) to a tight
+standard.
 """
 
 from __future__ import annotations
@@ -40,6 +48,10 @@ from .runner import GraphShape, StaticKVRunner, StepFn
 
 MIN_SNR_DB = 20.0
 MIN_TOP1 = 0.90
+QUANT_NOISE_MARGIN_DB = 6.0
+TOP1_MARGIN = 0.10
+FLOOR_SNR_DB = 0.0  # whatever the scheme: noise louder than the signal is never agreement
+FLOOR_TOP1 = 0.5
 PROMPTS = (
     "It is a truth universally acknowledged, that",
     "The capital of France is",
@@ -88,8 +100,7 @@ class VerifyResult:
     perplexity: dict[str, float]
     greedy: list[GreedyResult]
     decode_snr_db_vs_quantized: float
-    tolerance: dict[str, float] = field(default_factory=lambda: {
-        "min_snr_db": MIN_SNR_DB, "min_top1_agreement": MIN_TOP1})
+    tolerance: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -126,8 +137,8 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> Comparison:
 
 
 def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    nll = torch.nn.functional.cross_entropy(logits.to(torch.float64), targets)
-    return float(math.exp(nll))
+    nll = float(torch.nn.functional.cross_entropy(logits.to(torch.float64), targets))
+    return math.exp(nll) if nll < 700 else float("inf")  # a broken program can overflow exp
 
 
 def _matching_prefix(a: list[int], b: list[int]) -> int:
@@ -186,11 +197,29 @@ def verify(shape: GraphShape, arms: dict[str, tuple[StepFn, StepFn]], windows: l
         greedy=greedy,
         decode_snr_db_vs_quantized=round(decode_snr, 3),
     )
-    pq = result.pte_vs_quantized
-    if pq.snr_db < MIN_SNR_DB:
-        result.failures.append(f"prefill logit SNR {pq.snr_db:.1f} dB < {MIN_SNR_DB:.0f} dB")
-    if decode_snr < MIN_SNR_DB:
-        result.failures.append(f"decode logit SNR {decode_snr:.1f} dB < {MIN_SNR_DB:.0f} dB")
-    if pq.top1_agreement < MIN_TOP1:
-        result.failures.append(f"top-1 agreement {pq.top1_agreement:.2f} < {MIN_TOP1:.2f}")
+    result.tolerance = tolerance(result.quantized_vs_float)
+    check(result)
     return result
+
+
+def tolerance(quantized_vs_float: Comparison) -> dict[str, float]:
+    """The bounds ``pte`` vs ``quantized`` must meet (see the module docstring)."""
+    snr = min(MIN_SNR_DB, quantized_vs_float.snr_db - QUANT_NOISE_MARGIN_DB)
+    top1 = min(MIN_TOP1, quantized_vs_float.top1_agreement - TOP1_MARGIN)
+    return {"min_snr_db": round(max(FLOOR_SNR_DB, snr), 3),
+            "min_top1_agreement": round(max(FLOOR_TOP1, top1), 4)}
+
+
+def check(result: VerifyResult) -> None:
+    tol = result.tolerance
+    pq = result.pte_vs_quantized
+    lo_snr, lo_top1 = tol["min_snr_db"], tol["min_top1_agreement"]
+    if result.quantized_vs_float.snr_db == float("-inf"):
+        result.failures.append("the quantized eager graph itself gives non-finite logits")
+    if not pq.snr_db >= lo_snr:
+        result.failures.append(f"prefill logit SNR {pq.snr_db:.1f} dB < {lo_snr:.1f} dB")
+    if not result.decode_snr_db_vs_quantized >= lo_snr:
+        result.failures.append(f"decode logit SNR {result.decode_snr_db_vs_quantized:.1f} dB "
+                               f"< {lo_snr:.1f} dB")
+    if not pq.top1_agreement >= lo_top1:
+        result.failures.append(f"top-1 agreement {pq.top1_agreement:.2f} < {lo_top1:.2f}")
