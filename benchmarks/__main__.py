@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cpu_quant.errors import CpuQuantError
 
-from .harness import HarnessError, run_suite
+from .harness import HarnessError, check_passes, run_suite
 from .peers import gptqmodel_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -50,11 +50,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .suites.quantize import SuiteOptions
 
     passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
+    check_passes(passes, args.smoke)  # before any work: a refused run must cost nothing
+    module = _load_suite(args.suite)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     workdir = Path(args.workdir).resolve() if args.workdir else (
         gptqmodel_env._cache_root() / "bench-work" / f"{args.suite}-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
-    module = _load_suite(args.suite)
     opts = SuiteOptions(smoke=args.smoke, workdir=workdir,
                         source=Path(args.source).resolve() if args.source else None,
                         arms=args.arms.split(",") if args.arms else None,
