@@ -6,32 +6,12 @@ traceback reaches the user for bad input.
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from .errors import CpuQuantError
-
-
-def friendly_errors(fn):
-    """Turn CpuQuantError (and Ctrl-C) into a one-line message and an exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CpuQuantError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted: the output was not written; a quantization run can be "
-                       "continued with --resume", err=True)
-            sys.exit(130)
-
-    return wrapper
+from .cli_support import friendly_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

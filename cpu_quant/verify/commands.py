@@ -14,29 +14,18 @@ codes; text mode prints one line per finding, then a summary line.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
-from ..errors import CpuQuantError
+from ..cli_support import friendly_errors
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
-def _one_line_errors(fn: Callable) -> Callable:
-    """Turn CpuQuantError into ``error: ...`` on stderr and its exit code (the CLI's contract)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CpuQuantError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-    return wrapper
+_one_line_errors = friendly_errors
 
 
 def _emit_json(doc: dict) -> None:
