@@ -174,7 +174,8 @@ def _git_sha() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        sha = out.stdout.strip()
+        return sha if out.returncode == 0 and len(sha) == 40 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
