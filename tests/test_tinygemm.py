@@ -32,10 +32,15 @@ PROMPTS = [
     "It is a truth universally acknowledged that",
 ]
 NEW_TOKENS = 24
-# vLLM and torch reduce in different orders (and the kernel keeps float32 weights where the
-# prefill path rounds them to bf16), so two candidates whose log-probs are closer than this can
-# swap. Outside such near-ties the tokens must be identical.
-NEAR_TIE_NATS = 0.1
+# The logits are bf16: at |logit| in [16, 32) one ulp is 0.125 nats, and two runtimes (or the
+# kernel path, which keeps float32 weights, and the prefill path, which rounds them to bf16)
+# reduce in different orders and may round a logit differently. Two candidates within two
+# ulps can therefore swap (measured: a decode-path exact tie that the prefill path broke by one
+# ulp, 0.125). Outside such near-ties the tokens must be identical.
+NEAR_TIE_NATS = 0.25
+# The same token's log-prob through the two paths: measured at most 0.14 nats on the demo
+# artifact; the bound allows about two and a half ulps.
+PATH_LOGPROB_NATS = 0.3
 # The shapes the ISA check packs: whole 64-row blocks, partial blocks of 16/32/48 rows, and the
 # demo model's matrices (576 = 9 x 64, 192 = 3 x 64, 1536, the head's 49152 is 768 x 64).
 ISA_SHAPES = [(16, 64), (48, 128), (64, 64), (80, 576), (112, 256), (144, 256), (192, 576),
@@ -464,12 +469,13 @@ def test_vllm_prefill_and_decode_paths_agree(vllm_run: dict):
     worst = 0.0
     for seq in vllm_run["sequences"]:
         for i, (d, p) in enumerate(zip(seq["decode"], seq["prefill"], strict=True)):
-            if p["rank"] != 1:
+            if p["rank"] != 1:  # a swap is allowed only where one of the paths saw a near-tie
                 gap = p["best"] - p["logprob"]
-                assert gap < NEAR_TIE_NATS, f"token {i}: prefill ranks it {p['rank']} ({gap:.3f})"
+                assert min(gap, d["margin"]) < NEAR_TIE_NATS, (
+                    f"token {i}: prefill ranks it {p['rank']} ({gap:.3f} nats below the top), "
+                    f"decode chose it by {d['margin']:.3f}")
             worst = max(worst, abs(d["logprob"] - p["logprob"]))
-    # bf16 weight rounding on one path only, through 30 layers: a few hundredths of a nat
-    assert worst < 0.25, worst
+    assert worst < PATH_LOGPROB_NATS, worst
 
 
 @pytest.mark.vllm
