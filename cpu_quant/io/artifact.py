@@ -69,6 +69,9 @@ class StagedOutput:
                 if not self.staging.is_dir():
                     self._release_lock()
                     raise CpuQuantError(f"nothing to resume: no interrupted run at {self.staging}")
+                # the interrupted run's files are the user's progress: a refused or failed resume
+                # must leave them for the next attempt
+                self.keep_on_exit = True
             else:
                 if self.staging.exists():  # a crashed run's leftovers, not asked to resume
                     shutil.rmtree(self.staging)
