@@ -1,9 +1,11 @@
-"""Shared pieces of the command line: the one-line error contract every command follows."""
+"""Shared pieces of the command line: the one-line error contract every command follows, and the
+options, summary and driver shared by the commands that run the quantization pipeline."""
 
 from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import click
 
@@ -26,3 +28,137 @@ def friendly_errors(fn):
             sys.exit(130)
 
     return wrapper
+
+
+def _resolve_source(src: str | None) -> Path:
+    if src is not None:
+        return Path(src)
+    from .models.demo import demo_model_path
+
+    return demo_model_path()
+
+
+def _default_destination(src: Path, kind: str, method: str, group: int) -> Path:
+    return Path.cwd() / f"{src.name}-{kind}-{method}-w4g{group}"
+
+
+def _print_summary(report, dst: Path) -> None:
+    rows = [
+        ("output", str(dst)),
+        ("layout", report.layout),
+        ("method", report.settings["method"]
+         + ("" if report.settings["scale_search"] else " (no scale search)")),
+        ("group", str(report.settings["group_size"])),
+        ("head", "quantized" if report.head_quantized else "bf16"),
+        ("bits/weight", f"{report.bits_per_weight:.3f} (codes + scales), "
+                        f"{report.bits_per_weight_on_disk:.3f} on disk"),
+        ("calibration", f"{report.calibration_tokens} tokens"),
+        ("time", f"{report.total_seconds:.1f} s"),
+    ]
+    snrs = [t.weighted_snr_db for t in report.tensors]
+    if snrs:
+        rows.append(("weighted SNR", f"min {min(snrs):.1f} dB, median {sorted(snrs)[len(snrs) // 2]:.1f} dB"))
+    raised = [t.name for t in report.tensors if t.damp_raised]
+    if raised:
+        rows.append(("damping raised", ", ".join(raised[:4]) + (" ..." if len(raised) > 4 else "")))
+    width = max(len(k) for k, _ in rows)
+    click.echo("")
+    for k, v in rows:
+        click.echo(f"  {k:<{width}}  {v}")
+
+
+def _print_fidelity(reports: dict) -> None:
+    names = list(reports)
+    first = reports[names[0]]
+    click.echo("")
+    click.echo(f"  fidelity vs the bf16 source, held-out text ({first.tokens} tokens scored, "
+               f"{first.greedy_prompts} greedy prompts)")
+    click.echo("    " + f"{'':<22}" + "".join(f"{n:>16}" for n in names))
+    rows = [
+        ("KL(bf16 || quant)", lambda r: f"{r.kl_mean:.4f}"),
+        ("perplexity", lambda r: f"{r.ppl_quantized:.2f} ({r.ppl_delta:+.2f})"),
+        ("top-1 agreement", lambda r: f"{r.top1_agreement:.3f}"),
+        ("greedy reproduction", lambda r: f"{r.greedy_prefix_fraction:.3f} ({r.greedy_exact} exact)"),
+    ]
+    for label, fmt in rows:
+        click.echo("    " + f"{label:<22}" + "".join(f"{fmt(reports[n]):>16}" for n in names))
+    click.echo(f"    (bf16 perplexity {first.ppl_reference:.2f})")
+
+
+def quantize_options(fn):
+    """Options shared by every command that runs the quantization pipeline."""
+    options = [
+        click.option("--group", "group", type=int, default=128, show_default=True,
+                     help="Group size (32, 64, 128 or -1 for one group per row)."),
+        click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+                     help="Calibrated GPTQ, or round-to-nearest (data-free with --calib none)."),
+        click.option("--calib", default=None,
+                     help="Calibration text: 'austen' (built-in, default), 'none' (data-free, rtn "
+                          "only), a .txt, a .jsonl with a 'text' field, or a directory of them."),
+        click.option("--samples", type=int, default=128, show_default=True,
+                     help="Number of calibration windows."),
+        click.option("--seqlen", type=int, default=512, show_default=True,
+                     help="Tokens per calibration window."),
+        click.option("--batch-size", type=int, default=8, show_default=True,
+                     help="Calibration windows per forward pass (memory vs speed)."),
+        click.option("--act-order", is_flag=True,
+                     help="GPTQ column order by Hessian diagonal, with static groups "
+                          "(the saved layout keeps a trivial g_idx)."),
+        click.option("--damp", type=float, default=0.01, show_default=True,
+                     help="GPTQ dampening, as a fraction of the Hessian's mean diagonal."),
+        click.option("--no-scale-search", is_flag=True,
+                     help="Plain absmax scales instead of the weighted scale search."),
+        click.option("--no-lm-head", is_flag=True,
+                     help="Keep the output head bf16 (costs decode speed; see docs/gptq.md)."),
+        click.option("--head-group", type=int, default=None,
+                     help="Group size for the output head (default: same rule as --group)."),
+        click.option("--strict-group", is_flag=True,
+                     help="Refuse modules that --group does not divide instead of using a smaller group."),
+        click.option("--no-eval", is_flag=True, help="Skip the short fidelity check at the end."),
+        click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
+        click.option("--resume", is_flag=True,
+                     help="Continue an interrupted or killed run from its last completed layer "
+                          "(same source, settings and calibration only)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _settings_from(opts: dict):
+    from .quantize.pipeline import QuantSettings
+
+    return QuantSettings(
+        method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
+        act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],
+        head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
+        samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"])
+
+
+def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, opts: dict) -> None:
+    from .quantize.pipeline import quantize_checkpoint, update_report
+
+    settings = _settings_from(opts)
+    source = _resolve_source(src)
+    target = Path(dst) if dst else _default_destination(source, kind, settings.method, settings.group_size)
+    if not settings.quantize_head:
+        click.echo("warning: --no-lm-head keeps the output head in bf16; on the demo model the head "
+                   "is about a quarter of all weights, so every decode step reads it at 4x the "
+                   "bytes of a 4-bit head", err=True)
+    click.echo(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})",
+               err=True)
+    report = quantize_checkpoint(source, target, settings, layout, overwrite=opts["overwrite"],
+                                 resume=opts["resume"])
+    for note in report.plan_notes[:6]:
+        click.echo(f"note: {note}", err=True)
+    if len(report.plan_notes) > 6:
+        click.echo(f"note: ... {len(report.plan_notes) - 6} more in quantization_report.json", err=True)
+    _print_summary(report, target)
+    if not opts["no_eval"]:
+        from .eval.fidelity import EvalSettings, evaluate_artifact
+
+        click.echo("\nrunning the short fidelity check (--no-eval skips it) ...", err=True)
+        fid = evaluate_artifact(target, source, EvalSettings.quick(),
+                                variants=("weights", "w4a8_emulated"))
+        update_report(target, fidelity={k: v.as_dict() for k, v in fid.items()})
+        _print_fidelity(fid)

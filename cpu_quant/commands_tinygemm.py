@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .cli import friendly_errors, quantize_options, run_quantize_command
+from .cli_support import friendly_errors, quantize_options, run_quantize_command
 from .errors import CpuQuantError
 
 
