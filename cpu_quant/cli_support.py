@@ -101,6 +101,10 @@ def quantize_options(fn):
                      help="Tokens per calibration window."),
         click.option("--batch-size", type=int, default=8, show_default=True,
                      help="Calibration windows per forward pass (memory vs speed)."),
+        click.option("--offload-activations", is_flag=True,
+                     help="Keep the calibration activations on disk between layers (in the "
+                          "staging directory): peak memory no longer grows with --samples, at "
+                          "the cost of disk I/O; the artifact is identical."),
         click.option("--act-order", is_flag=True,
                      help="GPTQ column order by Hessian diagonal, with static groups "
                           "(the saved layout keeps a trivial g_idx)."),
@@ -132,7 +136,8 @@ def _settings_from(opts: dict):
         method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
         act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],
         head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
-        samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"])
+        samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
+        offload_activations=opts["offload_activations"])
 
 
 def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, opts: dict) -> None:

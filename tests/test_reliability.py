@@ -48,14 +48,23 @@ def _wait_for_layers(staging: Path, proc: subprocess.Popen, layers: int, timeout
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path):
+    """A real run killed after two layers resumes to the uninterrupted run's artifact, bit for
+    bit. The killed run keeps its activations on disk (--offload-activations: one file per
+    calibration batch per generation, never the in-memory checkpoint) and the resume holds them
+    in memory: where activations live is not part of the fingerprint and changes nothing."""
     dst = tmp_path / "resumed"
+    staging = tmp_path / ".resumed.partial"
     args = ["gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval"]
-    proc = _start(*args)
-    done = _wait_for_layers(tmp_path / ".resumed.partial", proc, 2)
+    proc = _start(*args, "--offload-activations")
+    _wait_for_layers(staging, proc, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not dst.exists()
-    assert done >= 1
+    done = json.loads((staging / "cpu_quant_state.json").read_text())["completed_layers"]
+    gen = staging / "activations" / f"gen-{done:05d}"
+    assert sorted(p.name for p in gen.iterdir()) == ["batch-00000.safetensors", "batch-00001.safetensors"]
+    assert not (staging / "cpu_quant_hidden.safetensors").exists()
+    assert not (staging / "activations" / f"gen-{done - 1:05d}").exists()
     # a resume with other settings is refused, and leaves the partial run alone
     refused = run_cli(*args[:-1], "--samples", "8", "--no-eval", "--resume", check=False)
     assert refused.returncode != 0 and "cannot resume" in refused.stderr
@@ -66,7 +75,19 @@ def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path)
         assert torch.equal(tensor, got[name]), name
     report = json.loads((dst / "quantization_report.json").read_text())
     assert len(report["layer_seconds"]) == 30 and len(report["tensors"]) == 211
-    assert not (tmp_path / ".resumed.partial").exists()
+    assert not staging.exists() and not (dst / "activations").exists()
+
+
+def test_offloaded_run_equals_in_memory_run(tiny_llama, tmp_path):
+    common = ["--group", "32", "--samples", "6", "--seqlen", "64", "--batch-size", "2", "--no-eval"]
+    run_cli("gptq", str(tiny_llama), str(tmp_path / "mem"), *common)
+    run_cli("gptq", str(tiny_llama), str(tmp_path / "disk"), *common, "--offload-activations")
+    mem, disk = _tensors(tmp_path / "mem"), _tensors(tmp_path / "disk")
+    assert sorted(mem) == sorted(disk) and "lm_head.qweight" in disk
+    for name, tensor in mem.items():
+        assert torch.equal(tensor, disk[name]), name
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "mem").iterdir())
 
 
 def test_ctrl_c_stops_at_a_layer_boundary_and_resumes(demo_src, tmp_path):

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import threading
@@ -31,6 +32,7 @@ from torch import nn
 from ..errors import CpuQuantError, Interrupted
 from ..io.artifact import StagedOutput, write_shard_index
 from ..io.checkpoint import open_checkpoint
+from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
 from .gptq import GridSpec, quantize_gptq, quantize_rtn, weighted_snr_db
 from .grid import GroupQuant
 from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
@@ -53,6 +55,8 @@ class QuantSettings:
     samples: int = 128
     seqlen: int = 512
     batch_size: int = 8
+    # calibration activations on disk between layers (same artifact, less memory, more I/O)
+    offload_activations: bool = False
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -219,8 +223,10 @@ class RunState:
     """What a run has finished, persisted after every layer so that ``--resume`` can continue.
 
     Saved in the staging directory as ``cpu_quant_state.json`` (plus the propagated calibration
-    activations in ``cpu_quant_hidden.safetensors``), both written atomically after the layer's
-    shard, so a crash at any point leaves a consistent state of whole layers.
+    activations in ``cpu_quant_hidden.safetensors``, or with ``offload_activations`` the
+    generation ``activations/gen-<completed_layers>`` of ``activations.DiskActivations``), both
+    written atomically after the layer's shard, so a crash at any point leaves a consistent
+    state of whole layers.
     """
 
     fingerprint: str
@@ -244,7 +250,9 @@ class RunState:
 def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: list[torch.Tensor]) -> str:
     """Source files (name, size, header), settings, layout and calibration tokens, hashed."""
     h = hashlib.sha256()
-    h.update(json.dumps({"settings": asdict(settings), "layout": layout_name,
+    fields = asdict(settings)
+    fields.pop("offload_activations")  # where activations live does not change the result
+    h.update(json.dumps({"settings": fields, "layout": layout_name,
                          "config": ckpt.config}, sort_keys=True).encode())
     for f in sorted(set(ckpt.files.values())):
         h.update(f.name.encode() + str(f.stat().st_size).encode())
@@ -281,7 +289,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                         *, overwrite: bool = False, resume: bool = False, progress: bool = True,
                         on_layer: Callable[[int, int], None] | None = None) -> QuantReport:
     """Quantize ``src`` into ``dst`` through ``layout``; see the module docstring."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from tqdm import tqdm
 
     settings.validate()
@@ -301,10 +309,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         state = RunState(fingerprint)
         if resume:
             state = _load_state(out, fingerprint)
-        hidden = stream.capture(batches) if batches else []
-        if hidden and state.completed_layers:
-            saved = load_file(out.path(HIDDEN_FILE))
-            hidden = [saved[f"batch.{b}"] for b in range(len(hidden))]
+        offload = settings.offload_activations
+        if not batches:
+            hidden = []
+        elif state.completed_layers:  # resumed: record the layers' call arguments only
+            stream.capture(batches, into=Discard())
+            hidden = _restore_hidden(out, state.completed_layers, len(batches), offload)
+        else:
+            hidden = stream.capture(batches, into=DiskActivations(out.path(ACTIVATIONS_DIR), 0)
+                                    if offload else [])
         n_shards = stream.n_layers + 1
 
         def write_shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -328,17 +341,22 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             stream.load_layer(i)
             tensors = _quantize_layer(stream, ckpt, i, linears, layer_plans, hidden, settings,
                                       grid, layout, state)
+            previous = hidden
             if hidden:
-                hidden = list(stream.forward_layer(i, hidden))
+                hidden = (hidden.rewrite(stream.forward_layer(i, hidden)) if offload
+                          else list(stream.forward_layer(i, hidden)))
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
-            if hidden:
+            if hidden and not offload:
                 tmp = out.path(HIDDEN_FILE + ".tmp")
                 save_file({f"batch.{b}": h.contiguous() for b, h in enumerate(hidden)}, str(tmp))
                 os.replace(tmp, out.path(HIDDEN_FILE))
             state.layer_seconds.append(round(time.perf_counter() - t0, 3))
             state.completed_layers = i + 1
             out.write_json(STATE_FILE, asdict(state))
+            if offload and previous:
+                previous.drop()  # the state now points at the next generation
+            del previous
             if on_layer is not None:
                 on_layer(i, stream.n_layers)
             if stop.requested and i + 1 < stream.n_layers:
@@ -379,11 +397,36 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         report.total_seconds = round(time.perf_counter() - t_start, 3)
         for name in (STATE_FILE, HIDDEN_FILE):
             out.path(name).unlink(missing_ok=True)
+        shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
         out.write_json("quantization_report.json", asdict(report))
         final = out.commit()
     ckpt.close()
     report.provenance["output"] = str(final)
     return report
+
+
+def _restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool):
+    """The activations entering layer ``completed``, as the interrupted run saved them (in
+    memory or offloaded), in the form this run asked for."""
+    from safetensors.torch import load_file
+
+    gen_dir = out.path(ACTIVATIONS_DIR)
+    if (gen_dir / f"gen-{completed:05d}").is_dir():
+        store = DiskActivations.open(gen_dir, completed, n_batches)
+        return store if offload else list(store)
+    path = out.path(HIDDEN_FILE)
+    if not path.is_file():
+        raise CpuQuantError(f"{out.staging} lacks the calibration activations of layer {completed}; "
+                            "run without --resume to start over")
+    saved = load_file(path)
+    hidden = [saved[f"batch.{b}"] for b in range(n_batches)]
+    if not offload:
+        return hidden
+    store = DiskActivations(gen_dir, completed)
+    for h in hidden:
+        store.append(h)
+    path.unlink()
+    return store
 
 
 def _load_state(out: StagedOutput, fingerprint: str) -> RunState:

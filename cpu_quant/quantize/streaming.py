@@ -144,13 +144,14 @@ class LayerStream:
 
     # -- calibration capture -------------------------------------------------------------
     @torch.no_grad()
-    def capture(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Record every layer's call arguments; returns the embedding outputs per batch."""
+    def capture(self, batches: list[torch.Tensor], into=None):
+        """Record every layer's call arguments; returns the embedding outputs per batch, appended
+        to ``into`` (a list by default; ``activations.DiskActivations`` writes each to disk)."""
         originals = list(self.layers)
         sinks: list[list] = [[] for _ in originals]
         for i, layer in enumerate(originals):
             self.layers[i] = _Recorder(layer, sinks[i], stop=i == len(originals) - 1)
-        hidden: list[torch.Tensor] = []
+        hidden = [] if into is None else into
         try:
             for ids in batches:
                 try:
@@ -158,6 +159,9 @@ class LayerStream:
                 except _StopForward:
                     pass
                 hidden.append(sinks[0][-1][0])
+                for sink in sinks:  # the call arguments stay; the activation goes to ``into``
+                    _, args, kwargs = sink[-1]
+                    sink[-1] = (None, args, kwargs)
         finally:
             for i, layer in enumerate(originals):
                 self.layers[i] = layer

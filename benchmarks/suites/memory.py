@@ -1,0 +1,148 @@
+"""Suite ``memory``: peak RssAnon of ``cpu-quant gptq`` does not grow with the number of layers.
+
+Synthetic models are built from the demo model's layer shapes (SmolLM2-135M: hidden 576,
+intermediate 1536, 9 heads, 3 KV heads, vocabulary 49152, untied head after quantization) at
+1x, 2x and 4x its depth (30, 60, 120 decoder layers: 0.27, 0.48 and 0.91 GB of bf16), random
+weights with a fixed seed and the demo tokenizer. Peak memory does not depend on trained weights;
+the calibration text is the real built-in corpus.
+
+Arms (interleaved by the harness, each pass a fresh process; baseline ``depth-1x``):
+
+``depth-1x``, ``depth-2x``, ``depth-4x``
+    ``cpu-quant gptq SRC DST --group 128 --samples 32 --seqlen 512 --no-eval`` (head quantized,
+    the default job's settings apart from the calibration size)
+``depth-4x-offload``
+    the same on the 4x model with ``--offload-activations``
+``calib-128``, ``calib-128-offload``
+    the 1x model with ``--samples 128`` (4x the calibration activations), in memory and offloaded
+
+What the ratios should show: ``depth-2x`` and ``depth-4x`` at 1.0 within the spread (the driver
+holds one decoder layer, the calibration activations, and the embedding and head); ``calib-128``
+above 1.0 by the extra activations (96 x 512 x 576 float32/bf16 per copy), ``calib-128-offload``
+back near ``depth-1x``.
+
+Smoke mode (CI): a tiny random Llama at 2, 4 and 8 layers, 4 x 64 calibration tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ..harness import CPU_SECONDS, PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from .quantize import SuiteOptions, select
+
+CLI = [sys.executable, "-m", "cpu_quant.cli"]
+MODEL_VERSION = 1
+REAL = {"base_layers": 30, "depths": (1, 2, 4), "samples": 32, "seqlen": 512, "batch_size": 8,
+        "group": 128, "calib_samples": 128}
+SMOKE = {"base_layers": 2, "depths": (1, 2, 4), "samples": 4, "seqlen": 64, "batch_size": 2,
+         "group": 128, "calib_samples": 8}
+TIMEOUT_REAL = 2 * 3600
+TIMEOUT_SMOKE = 600
+
+
+def synthetic_model(dst: Path, layers: int, smoke: bool, seed: int = 0) -> Path:
+    """The demo model's shapes (or the smoke model's) at ``layers`` decoder layers, bf16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from cpu_quant.models.demo import demo_model_path
+
+    if (dst / "config.json").is_file() and (dst / "cpu_quant_synthetic.json").is_file():
+        return dst
+    demo = demo_model_path()
+    if smoke:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                             vocab_size=49152, max_position_embeddings=2048,
+                             tie_word_embeddings=True)
+    else:
+        config = AutoConfig.from_pretrained(demo)
+        config.num_hidden_layers = layers
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    staging = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(demo).save_pretrained(staging)
+    (staging / "cpu_quant_synthetic.json").write_text(json.dumps(
+        {"version": MODEL_VERSION, "layers": layers, "seed": seed, "shapes_from": str(demo)}) + "\n")
+    del model
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(staging, dst)
+    return dst
+
+
+def _bf16_bytes(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def quantize_arm(name: str, src: Path, samples: int, settings: dict, flags: list[str],
+                 timeout: float) -> Arm:
+    def argv(dst: Path) -> list[str]:
+        return [*CLI, "gptq", str(src), str(dst), "--group", str(settings["group"]),
+                "--samples", str(samples), "--seqlen", str(settings["seqlen"]),
+                "--batch-size", str(settings["batch_size"]), "--no-eval", "--overwrite", *flags]
+
+    def command(ctx: PassContext) -> Command:
+        return Command(argv(ctx.workdir / "artifact"), timeout=timeout)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        report = json.loads((ctx.workdir / "artifact" / "quantization_report.json").read_text())
+        if report["calibration_tokens"] != samples * settings["seqlen"]:
+            raise ValueError(f"calibration_tokens {report['calibration_tokens']} != "
+                             f"{samples}x{settings['seqlen']}")
+        if report["settings"]["offload_activations"] != ("--offload-activations" in flags):
+            raise ValueError("--offload-activations did not reach the pipeline")
+        return {}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        report = json.loads((ctx.workdir / "artifact" / "quantization_report.json").read_text())
+        return {"layers": len(report["layer_seconds"]), "tool_total_seconds": report["total_seconds"],
+                "source_bf16_bytes": _bf16_bytes(src)}
+
+    cfg = json.loads((src / "config.json").read_text())
+    return Arm(name, {"source": str(src), "layers": cfg["num_hidden_layers"], "samples": samples,
+                      "seqlen": settings["seqlen"], "batch_size": settings["batch_size"],
+                      "group": settings["group"], "flags": flags,
+                      "source_bf16_bytes": _bf16_bytes(src)},
+               command, collect, extras=extras)
+
+
+def build(opts: SuiteOptions) -> Suite:
+    settings = dict(SMOKE if opts.smoke else REAL)
+    timeout = TIMEOUT_SMOKE if opts.smoke else TIMEOUT_REAL
+    inputs = opts.workdir / "inputs"
+    models = {d: synthetic_model(inputs / f"depth-{d}x", settings["base_layers"] * d, opts.smoke)
+              for d in settings["depths"]}
+    s = settings["samples"]
+    offload = ["--offload-activations"]
+    arms = [quantize_arm(f"depth-{d}x", models[d], s, settings, [], timeout)
+            for d in settings["depths"]]
+    deepest = max(settings["depths"])
+    arms.append(quantize_arm(f"depth-{deepest}x-offload", models[deepest], s, settings, offload,
+                             timeout))
+    c = settings["calib_samples"]
+    arms += [quantize_arm(f"calib-{c}", models[1], c, settings, [], timeout),
+             quantize_arm(f"calib-{c}-offload", models[1], c, settings, offload, timeout)]
+    arms = select(arms, opts.arms)
+    return Suite(
+        name="memory",
+        description="Peak RssAnon (process tree) of cpu-quant gptq on synthetic models of the "
+                    f"{'smoke' if opts.smoke else 'demo'} model's shapes at "
+                    f"{', '.join(f'{d}x' for d in settings['depths'])} depth, and with "
+                    f"{c} calibration samples in memory and offloaded",
+        metrics=[PEAK_RSS_ANON, WALL_SECONDS, CPU_SECONDS],
+        arms=arms,
+        settings={k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+        baseline="depth-1x" if any(a.name == "depth-1x" for a in arms) else None,
+        inputs={f"depth_{d}x_config": m / "config.json" for d, m in models.items()},
+        notes=["Random weights with the demo model's shapes: memory and time do not depend on "
+               "trained weights. Calibration: the built-in corpus."],
+    )
