@@ -167,3 +167,13 @@ def test_hub_snapshot_links_into_blobs_are_accepted(tmp_path, tiny_llama):
         shutil.copy(f, blobs / f.name)
         (snap / f.name).symlink_to(Path("../../blobs") / f.name)
     assert "model.embed_tokens.weight" in open_checkpoint(snap).names
+
+
+@pytest.mark.parametrize("which", ["quant", "reference"])
+def test_eval_of_missing_directories(tmp_path, tiny_llama, which):
+    quant = tmp_path / "nope" if which == "quant" else tiny_llama
+    reference = tmp_path / "nope" if which == "reference" else tiny_llama
+    json_out = tmp_path / "report.json"
+    proc = run_cli("eval", str(quant), "--reference", str(reference), "--json", str(json_out),
+                   check=False)
+    _assert_clean_failure(proc, json_out, "is not a directory")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.corpus import load_texts, token_windows
+from ..errors import CpuQuantError
 
 
 @dataclass
@@ -169,7 +170,16 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path,
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
-    tok = AutoTokenizer.from_pretrained(reference_path)
+    for label, path in (("quantized checkpoint", quantized_path), ("--reference", reference_path)):
+        if not Path(path).is_dir():
+            raise CpuQuantError(f"{label} {path} is not a directory")
+        if not (Path(path) / "config.json").is_file():
+            raise CpuQuantError(f"{label} {path} has no config.json")
+    try:
+        tok = AutoTokenizer.from_pretrained(reference_path)
+    except (OSError, ValueError) as exc:
+        raise CpuQuantError(f"cannot load the tokenizer of {reference_path}: "
+                            f"{str(exc).splitlines()[0]}") from None
     reference = load_model(reference_path, dtype)
     quantized = load_model(quantized_path, dtype)
     return compare_models(reference, quantized, tok, settings, progress, variants)
