@@ -32,6 +32,7 @@ from torch import nn
 from ..errors import CpuQuantError, Interrupted
 from ..io.artifact import StagedOutput, write_shard_index
 from ..io.checkpoint import open_checkpoint
+from ..runtime_patches.release_memory import allocator_releasers
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
 from .gptq import GridSpec, quantize_gptq, quantize_rtn, weighted_snr_db
 from .grid import GroupQuant
@@ -347,6 +348,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                           else list(stream.forward_layer(i, hidden)))
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
+            del tensors
+            release_free_heap()
             if hidden and not offload:
                 tmp = out.path(HIDDEN_FILE + ".tmp")
                 save_file({f"batch.{b}": h.contiguous() for b, h in enumerate(hidden)}, str(tmp))
@@ -403,6 +406,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     ckpt.close()
     report.provenance["output"] = str(final)
     return report
+
+
+def release_free_heap() -> None:
+    """Give the allocator's free memory back after each layer. Every layer allocates and frees
+    the same large tensors, and glibc malloc's dynamic mmap threshold moves them onto the heap,
+    whose freed pages it keeps: measured on a 240-layer model, RssAnon then climbed by about
+    6 MB per layer (600 -> 775 MB over 36 layers) and a run capped at 1 GiB was OOM-killed at
+    layer 22, although nothing stays referenced. ``malloc_trim(0)`` (and tcmalloc's release
+    when it is loaded) returns those pages, so the peak stays flat with depth."""
+    for release in allocator_releasers().values():
+        release()
 
 
 def _restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool):
