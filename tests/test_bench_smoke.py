@@ -1,4 +1,5 @@
-"""Smoke runs of the ``quantize`` and ``fidelity`` benchmark suites, so the harness cannot rot.
+"""Smoke runs of the ``quantize``, ``fidelity`` and ``memory`` benchmark suites, so the harness
+cannot rot.
 
 One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 × 64
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
@@ -107,3 +108,14 @@ def test_fidelity_suite_smoke(fidelity_result):
 
     if "tinygemm" not in cli_commands():
         assert any(n.startswith("tinygemm-asym: not measured") for n in fidelity_result["notes"])
+
+
+def test_memory_suite_smoke(tmp_path_factory):
+    result = _run_smoke("memory", tmp_path_factory.mktemp("bench-memory"),
+                        "--arms", "depth-1x,depth-4x,calib-8-offload")
+    _check_common(result, {"depth-1x", "depth-4x", "calib-8-offload"})
+    layers = {r["arm"]: r["extras"]["layers"] for r in result["records"]}
+    assert layers == {"depth-1x": 2, "depth-4x": 8, "calib-8-offload": 2}
+    assert result["arms"]["calib-8-offload"]["flags"] == ["--offload-activations"]
+    for rec in result["records"]:
+        assert rec["metrics"]["peak_rss_anon_bytes"] > 50 * 2**20

@@ -111,7 +111,8 @@ def quantize_arm(name: str, src: Path, samples: int, settings: dict, flags: list
                       "seqlen": settings["seqlen"], "batch_size": settings["batch_size"],
                       "group": settings["group"], "flags": flags,
                       "source_bf16_bytes": _bf16_bytes(src)},
-               command, collect, extras=extras)
+               command, collect, artifacts=lambda ctx: {"artifact": ctx.workdir / "artifact"},
+               extras=extras)
 
 
 def build(opts: SuiteOptions) -> Suite:
