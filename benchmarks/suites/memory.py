@@ -9,16 +9,18 @@ the calibration text is the real built-in corpus.
 Arms (interleaved by the harness, each pass a fresh process; baseline ``depth-1x``):
 
 ``depth-1x``, ``depth-2x``, ``depth-4x``
-    ``cpu-quant gptq SRC DST --group 128 --samples 16 --seqlen 512 --no-eval`` (head quantized,
-    the default job's settings apart from the calibration size)
-``calib-64``, ``calib-64-offload``
-    the 1x model with ``--samples 64`` (4x the calibration activations), in memory and with
+    ``cpu-quant gptq SRC DST --group 128 --samples 8 --seqlen 512 --no-eval`` (head quantized,
+    the default job's settings apart from the calibration size, kept small so that three
+    passes over 210 layers fit in well under an hour here)
+``calib-32``, ``calib-32-offload``
+    the 1x model with ``--samples 32`` (4x the calibration activations), in memory and with
     ``--offload-activations``
 
 What the ratios should show: ``depth-2x`` and ``depth-4x`` at 1.0 within the spread (the driver
 holds one decoder layer, the calibration activations, and the embedding and head); ``calib-128``
-above 1.0 by the extra activations (48 x 512 x 576 bf16 = 27 MiB per copy, two copies while a
-layer is re-run), ``calib-64-offload`` back near ``depth-1x``.
+above 1.0 by the extra activations (24 x 512 x 576 bf16 = 13.5 MiB per copy, two copies while a
+layer is re-run, plus the larger per-layer call records), ``calib-32-offload`` back near
+``depth-1x``.
 
 Smoke mode (CI): a tiny random Llama at 2, 4 and 8 layers, 4 x 64 calibration tokens.
 """
@@ -36,8 +38,8 @@ from .quantize import SuiteOptions, select
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
 MODEL_VERSION = 1
-REAL = {"base_layers": 30, "depths": (1, 2, 4), "samples": 16, "seqlen": 512, "batch_size": 8,
-        "group": 128, "calib_samples": 64}
+REAL = {"base_layers": 30, "depths": (1, 2, 4), "samples": 8, "seqlen": 512, "batch_size": 8,
+        "group": 128, "calib_samples": 32}
 SMOKE = {"base_layers": 2, "depths": (1, 2, 4), "samples": 4, "seqlen": 64, "batch_size": 2,
          "group": 128, "calib_samples": 8}
 TIMEOUT_REAL = 2 * 3600
