@@ -17,6 +17,7 @@ accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -146,12 +147,21 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised)
 
 
-def weighted_snr_db(reference: torch.Tensor, quantized: torch.Tensor,
-                    importance: torch.Tensor | None = None) -> float:
-    """10·log10(Σ d w² / Σ d (w - ŵ)²), with d the input-channel importance ([K]) or uniform."""
+def weighted_error_terms(reference: torch.Tensor, quantized: torch.Tensor,
+                         importance: torch.Tensor | None = None) -> tuple[float, float]:
+    """(Σ d w², Σ d (w - ŵ)²), with d the input-channel importance ([K]) or uniform; sums over
+    row blocks add up to the whole matrix's."""
     ref = reference.to(torch.float32)
     err = ref - quantized.to(torch.float32)
     d = torch.ones(ref.shape[1]) if importance is None else importance.to(torch.float32)
-    sig = (ref * ref * d).sum()
-    noise = (err * err * d).sum().clamp_min(1e-30)
-    return float(10.0 * torch.log10(sig / noise))
+    return float((ref * ref * d).sum()), float((err * err * d).sum())
+
+
+def snr_db(signal: float, noise: float) -> float:
+    return 10.0 * math.log10(max(signal, 1e-30) / max(noise, 1e-30))
+
+
+def weighted_snr_db(reference: torch.Tensor, quantized: torch.Tensor,
+                    importance: torch.Tensor | None = None) -> float:
+    """10·log10(Σ d w² / Σ d (w - ŵ)²), with d the input-channel importance ([K]) or uniform."""
+    return snr_db(*weighted_error_terms(reference, quantized, importance))

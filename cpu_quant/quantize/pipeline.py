@@ -34,7 +34,7 @@ from ..io.artifact import StagedOutput, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from ..runtime_patches.release_memory import allocator_releasers
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
-from .gptq import GridSpec, quantize_gptq, quantize_rtn, weighted_snr_db
+from .gptq import GridSpec, quantize_gptq, quantize_rtn, snr_db, weighted_error_terms
 from .grid import GroupQuant
 from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
 from .streaming import LayerStream
@@ -172,6 +172,9 @@ def torch_threads(n: int):
         torch.set_num_threads(previous)
 
 
+ROW_BLOCK = 4096  # output rows quantized at a time
+
+
 def _quantize_one(weight: torch.Tensor, plan: LinearPlan, settings: QuantSettings, grid: GridSpec,
                   hessian: torch.Tensor | None) -> tuple[GroupQuant, TensorReport]:
     with torch_threads(1):
@@ -183,14 +186,26 @@ def _quantize_one_threaded(weight: torch.Tensor, plan: LinearPlan, settings: Qua
                            ) -> tuple[GroupQuant, TensorReport]:
     g = plan.group_size
     importance = None if hessian is None else torch.diag(hessian)
-    if settings.method == "gptq" and hessian is not None:
-        gq, stats = quantize_gptq(weight, hessian, g, grid, act_order=settings.act_order,
-                                  damp=settings.damp)
-        damp, raised = stats.damp, stats.damp_raised
-    else:
-        gq = quantize_rtn(weight, g, grid, importance)
-        damp, raised = None, False
-    snr = weighted_snr_db(weight, gq.dequantize(), importance)
+    parts: list[GroupQuant] = []
+    damp, raised, signal, noise = None, False, 0.0, 0.0
+    # GPTQ and the scale search treat every output row on its own, so a tall matrix (the
+    # output head: 49152 rows on the demo model) is done in row blocks; its float32 working
+    # copies would otherwise set the run's peak memory.
+    for r0 in range(0, weight.shape[0], ROW_BLOCK):
+        w = weight[r0:r0 + ROW_BLOCK]
+        if settings.method == "gptq" and hessian is not None:
+            part, stats = quantize_gptq(w, hessian, g, grid, act_order=settings.act_order,
+                                        damp=settings.damp)
+            damp, raised = stats.damp, raised or stats.damp_raised
+        else:
+            part = quantize_rtn(w, g, grid, importance)
+        sig_n, noise_n = weighted_error_terms(w, part.dequantize(), importance)
+        signal, noise = signal + sig_n, noise + noise_n
+        parts.append(part)
+    gq = parts[0] if len(parts) == 1 else GroupQuant(
+        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+        None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]), parts[0].group_size)
+    snr = snr_db(signal, noise)
     return gq, TensorReport(plan.name, list(weight.shape), g, round(snr, 3), damp, raised)
 
 
