@@ -49,11 +49,14 @@ def _pack_rows_int32(values: torch.Tensor) -> torch.Tensor:
     r, c = values.shape
     if r % PACK:
         raise ValueError(f"cannot pack {r} rows in groups of {PACK}")
-    v = values.to(torch.int64).reshape(r // PACK, PACK, c)
-    shifts = (torch.arange(PACK, dtype=torch.int64) * BITS).view(1, PACK, 1)
-    packed = (v << shifts).sum(1)
-    return packed.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else \
-        torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    v = values.reshape(r // PACK, PACK, c)
+    # one nibble plane at a time, in int32 (a shift into the sign bit wraps, which is the bit
+    # pattern wanted): the working set stays at the output's size, where an int64 [R, C]
+    # expansion of the output head took 4x the codes' bytes twice over
+    packed = torch.zeros(r // PACK, c, dtype=torch.int32)
+    for j in range(PACK):
+        packed |= v[:, j, :].to(torch.int32) << (BITS * j)
+    return packed
 
 
 def _unpack_rows_int32(packed: torch.Tensor) -> torch.Tensor:
