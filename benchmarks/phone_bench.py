@@ -2,11 +2,12 @@
 Python runtime, for XNNPACK fp32 vs 8da8w vs 8da4w.
 
     python -m benchmarks.phone_bench [--src CKPT] [--passes 3] [--max-seq-len 128]
-                                     [--prompt-tokens 64] [--gen-tokens 32] [--workdir DIR]
+                                     [--prompt-tokens 64] [--gen-tokens 32] [--verify-windows 4]
+                                     [--workdir DIR]
 
-1. Export each arm once with ``cpu_quant.export.export_phone`` (verification included), timing
-   quantize+lower+write and verify separately (one pass each: an export of the demo model takes
-   minutes, so export time is a single measurement and labelled so).
+1. Export each arm once with ``cpu_quant.export.pipeline.export_phone`` (verification
+   included), timing quantize+lower+write and verify separately (one pass each: an export of
+   the demo model takes minutes, so export time is a single measurement and labelled so).
 2. Decode speed: each pass runs every arm once, in rotated order (pass 0: A B C, pass 1: B C A,
    ...), each in its own subprocess (``--measure PTE``) that loads the program, prefills a fixed
    held-out prompt through ``prefill`` and greedily decodes ``--gen-tokens`` tokens through
@@ -66,13 +67,19 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
             "decode_tok_s": gen_tokens / decode_s, "threads": torch.get_num_threads()}
 
 
-def _export(src: Path, out: Path, scheme: str, max_seq_len: int, prefill_len: int) -> dict:
+def _export(src: Path, out: Path, scheme: str, max_seq_len: int, prefill_len: int,
+            verify_windows: int) -> dict:
     from cpu_quant.export.pipeline import PhoneExportSettings, export_phone
 
     if (out / "export_report.json").is_file():
-        return json.loads((out / "export_report.json").read_text())
+        report = json.loads((out / "export_report.json").read_text())
+        s = report["settings"]
+        if (s["scheme"], s["max_seq_len"], s["prefill_len"], s["verify_windows"]) == (
+                scheme, max_seq_len, prefill_len, verify_windows):
+            return report
+        raise SystemExit(f"{out} holds an export with other settings; remove it or use --workdir")
     settings = PhoneExportSettings(backend="xnnpack", scheme=scheme, max_seq_len=max_seq_len,
-                                   prefill_len=prefill_len)
+                                   prefill_len=prefill_len, verify_windows=verify_windows)
     t = time.perf_counter()
     report = export_phone(src, out, settings, progress=False)
     report["timings_s"]["wall"] = round(time.perf_counter() - t, 2)
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
     for arm in ARMS:
         out = workdir / f"{src.name}-{arm}-s{args.max_seq_len}"
         print(f"exporting {arm} -> {out}", file=sys.stderr)
-        report = _export(src, out, arm, args.max_seq_len, prefill_len)
+        report = _export(src, out, arm, args.max_seq_len, prefill_len, args.verify_windows)
         ptes[arm] = out / "model.pte"
         exports[arm] = {"pte_bytes": report["sizes"]["pte_bytes"],
                         "ratio_vs_float32_params": report["sizes"]["ratio_vs_float32"],
@@ -142,10 +149,15 @@ def run(args: argparse.Namespace) -> dict:
             if per_pass:
                 ratios[arm][m] = _stats(per_pass)
     settings = {k: getattr(args, k) for k in ("passes", "max_seq_len", "prefill_len",
-                                              "prompt_tokens", "gen_tokens")}
+                                              "prompt_tokens", "gen_tokens", "verify_windows")}
     settings["source"] = str(src)
     prov = collect(settings, artifacts={f"{arm}.pte": ptes[arm] for arm in ARMS})
     validate(prov)
+    import executorch.version
+    import torchao
+
+    prov["packages"].update(executorch=executorch.version.__version__,
+                            torchao=torchao.__version__)
     return {"suite": "phone", "arms": list(ARMS), "baseline": BASELINE, "exports": exports,
             "records": records, "failures": failures, "summary": summary,
             "ratios_vs_fp32": ratios, "provenance": prov,
@@ -181,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-len", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--verify-windows", type=int, default=4,
+                    help="held-out windows the export's own verification scores (the command's "
+                         "default is 4; fewer only shortens the verify stage, reported apart)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)

@@ -14,12 +14,17 @@ from .errors import CpuQuantError
 
 
 def _check_kernel_groups(opts: dict) -> None:
+    """Refuse, before any work, a group the tinygemm kernel cannot take (``-1``, one group per
+    row) or the pipeline cannot write (it writes 32, 64 and 128; the kernel also takes 256)."""
+    from .quantize.plan import VLLM_GROUPS
     from .quantize.tinygemm_pack import KERNEL_GROUPS
 
+    allowed = sorted(set(KERNEL_GROUPS) & set(VLLM_GROUPS))
     for flag, value in (("--group", opts["group"]), ("--head-group", opts["head_group"])):
-        if value is not None and value not in KERNEL_GROUPS:
-            raise CpuQuantError(f"{flag} {value}: the tinygemm kernel takes groups of "
-                                f"{', '.join(map(str, KERNEL_GROUPS))} only")
+        if value is not None and value not in allowed:
+            raise CpuQuantError(f"{flag} {value}: cpu-quant tinygemm writes groups of "
+                                f"{', '.join(map(str, allowed))} (the tinygemm kernel has no "
+                                "one-group-per-row mode)")
 
 
 @click.command("tinygemm")

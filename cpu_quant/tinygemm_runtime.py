@@ -107,7 +107,8 @@ class Int4PackedLinear(nn.Module):
         super().__init__()
         check_kernel_shape(name, out_features, in_features, group)
         self.in_features, self.out_features, self.group = in_features, out_features, group
-        self.register_buffer("packed", torch.zeros(out_features, in_features // 2,
+        # empty: load_portable adopts the checkpoint's tensor, so these pages are never touched
+        self.register_buffer("packed", torch.empty(out_features, in_features // 2,
                                                    dtype=torch.uint8))
         storage, self._scale_view, self._zero_view = scale_zero_storage(
             out_features, in_features, group)
@@ -117,14 +118,19 @@ class Int4PackedLinear(nn.Module):
 
     def load_portable(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                       weight_zero: torch.Tensor) -> None:
-        """Fill from the portable tensors (see ``tinygemm_pack``), repacking in place."""
+        """Fill from the portable tensors (see ``tinygemm_pack``).
+
+        ``weight_packed`` is repacked to the kernel layout in place and kept as the buffer (the
+        caller hands over a tensor it owns, as ``Checkpoint.tensor`` returns): no second copy of
+        the matrix, and the repack's extra memory is one chunk."""
         if weight_packed.shape != self.packed.shape or weight_scale.shape != self._scale_view.shape \
                 or weight_zero.shape != self._zero_view.shape:
             raise CpuQuantError(f"cpu_int4 tensors of shape {list(weight_packed.shape)}, "
                                 f"{list(weight_scale.shape)} do not fit a "
                                 f"[{self.out_features}x{self.in_features}] g{self.group} linear")
-        self.packed.copy_(weight_packed)
-        repack_to_kernel_(self.packed)
+        if weight_packed.dtype != torch.uint8:
+            raise CpuQuantError(f"weight_packed is {weight_packed.dtype}, expected uint8")
+        self.packed = repack_to_kernel_(weight_packed.contiguous())
         self._scale_view.copy_(weight_scale)
         self._zero_view.copy_(weight_zero)
 

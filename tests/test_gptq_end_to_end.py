@@ -90,14 +90,23 @@ def test_packing_round_trips_through_vllm_unpacking(gptq_artifact: Path):
     assert torch.equal(vllm_w, ours)
 
 
-def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path) -> list[dict]:
+def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
+                 plugins: str | None = "stock-only", env: dict | None = None,
+                 extra_args: tuple[str, ...] = ()) -> tuple[list[dict], str]:
+    """Greedy tokens from real vLLM in a fresh process (``tests/helpers/vllm_generate.py``).
+
+    ``plugins``: ``VLLM_PLUGINS`` (default: stock vLLM, no general plugin, ours included, may
+    touch the load path); None leaves every installed plugin on. Returns (results, log)."""
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    # stock vLLM: no general plugin (ours included) may touch the load path
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="stock-only")
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    if plugins is None:
+        full_env.pop("VLLM_PLUGINS", None)
+    else:
+        full_env["VLLM_PLUGINS"] = plugins
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "vllm_generate.py"),
-                           str(model_dir), str(prompts_file), str(NEW_TOKENS)],
-                          capture_output=True, text=True, timeout=900, env=env)
+                           str(model_dir), str(prompts_file), str(NEW_TOKENS), *extra_args],
+                          capture_output=True, text=True, timeout=900, env=full_env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr

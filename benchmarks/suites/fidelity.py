@@ -122,12 +122,12 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
     """
     import re
 
-    from cpu_quant.eval.dequantized import READERS
+    from cpu_quant.eval.dequantized import reader_for
     from cpu_quant.io.checkpoint import open_checkpoint
 
     qck, src = open_checkpoint(artifact), open_checkpoint(source)
     qcfg = qck.config.get("quantization_config") or {}
-    marker, _, reader = READERS[qcfg["quant_method"]]
+    marker, _, reader = reader_for(qcfg["quant_method"])
     sig: dict[str, float] = {}
     err: dict[str, float] = {}
     for name in qck.names:

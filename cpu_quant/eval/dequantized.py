@@ -20,6 +20,9 @@ from ..quantize.gptq_cpu_export import dequantize_gptq
 # quant_method -> (marker suffix of a quantized module, reader(ckpt, module, qcfg) -> weight)
 ModuleReader = Callable[[Checkpoint, str, dict], torch.Tensor]
 READERS: dict[str, tuple[str, tuple[str, ...], ModuleReader]] = {}
+# Layouts whose module registers its reader on import; imported on first use, so that reading a
+# checkpoint never depends on which cpu_quant modules happen to be imported already.
+LAZY_READERS = {"cpu_int4": "cpu_quant.quantize.tinygemm_pack"}
 
 
 def register_reader(quant_method: str, marker: str, suffixes: tuple[str, ...],
@@ -39,15 +42,26 @@ def _read_gptq(ckpt: Checkpoint, module: str, qcfg: dict) -> torch.Tensor:
 register_reader("gptq", "qweight", GPTQ_TENSORS, _read_gptq)
 
 
+def reader_for(quant_method: str) -> tuple[str, tuple[str, ...], ModuleReader]:
+    """(marker, suffixes, reader) of ``quant_method``, importing its layout module if needed."""
+    if quant_method not in READERS and quant_method in LAZY_READERS:
+        import importlib
+
+        importlib.import_module(LAZY_READERS[quant_method])
+    if quant_method not in READERS:
+        known = sorted(set(READERS) | set(LAZY_READERS))
+        raise CpuQuantError(f"unsupported quant_method {quant_method!r} "
+                            f"(known: {', '.join(known)})")
+    return READERS[quant_method]
+
+
 def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     qcfg = ckpt.config.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     state: dict[str, torch.Tensor] = {}
     if method is None:
         return {n: ckpt.tensor(n).to(dtype) for n in ckpt.names}
-    if method not in READERS:
-        raise CpuQuantError(f"unsupported quant_method {method!r} (known: {', '.join(READERS)})")
-    marker, suffixes, reader = READERS[method]
+    marker, suffixes, reader = reader_for(method)
     modules = [n[: -len(marker) - 1] for n in ckpt.names if n.endswith("." + marker)]
     owned = {f"{m}.{s}" for m in modules for s in suffixes}
     for m in modules:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from ..errors import CpuQuantError
+from ..cli_support import friendly_errors
 from .pipeline import DEFAULT_SCHEME, PhoneExportSettings
 from .pipeline import export_phone as run_export_phone
 from .qnn import DEFAULT_SOC
@@ -41,7 +39,7 @@ def print_summary(report: dict, out: str) -> None:
                      "match the quantized eager graph)")
     if report.get("qnn_lowering") == "not-done":
         lines.append("  NOT lowered to the HTP (QNN_SDK_ROOT unset): model.pte runs on ExecuTorch's "
-                     "portable CPU kernels; qnn_*.pt2 are the calibrated programs for QNN lowering.")
+                     "portable CPU kernels; qnn_*.pt2 are the quantized programs for QNN lowering.")
         lines.append("  next: " + report["qnn_next_step"])
     click.echo("\n".join(lines))
 
@@ -59,7 +57,8 @@ def print_summary(report: dict, out: str) -> None:
 @click.option("--prefill-len", type=int, default=64, show_default=True,
               help="Tokens per prefill call (capped at --max-seq-len).")
 @click.option("--calib", default=None,
-              help="Calibration text: .txt, .jsonl or a directory; default: built-in corpus.")
+              help="Calibration text for --backend qnn: .txt, .jsonl or a directory; "
+                   "default: built-in corpus.")
 @click.option("--calib-samples", type=int, default=16, show_default=True,
               help="Calibration windows (qnn); 0 = uncalibrated, for comparison only.")
 @click.option("--group-size", type=int, default=32, show_default=True, help="8da4w group size.")
@@ -67,17 +66,18 @@ def print_summary(report: dict, out: str) -> None:
               help="Qualcomm SoC for the HTP lowering (used only with QNN_SDK_ROOT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@friendly_errors
 def export_phone(src: str, out: str, backend: str, scheme: str | None, max_seq_len: int,
-                         prefill_len: int, calib: str | None, calib_samples: int,
-                         group_size: int, soc: str, overwrite: bool, quiet: bool) -> None:
-    """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT."""
+                 prefill_len: int, calib: str | None, calib_samples: int,
+                 group_size: int, soc: str, overwrite: bool, quiet: bool) -> None:
+    """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
+
+    Nothing is written to OUT unless the program passes verification against its own quantized
+    eager graph (exit code 3 otherwise); bad input exits with code 2. See docs/phone.md.
+    """
     settings = PhoneExportSettings(
         backend=backend, scheme=scheme, max_seq_len=max_seq_len, prefill_len=prefill_len,
         calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc)
-    try:
-        report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
-    except CpuQuantError as exc:
-        click.echo(f"cpu-quant export-phone: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+    report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
     print_summary(report, out)
 

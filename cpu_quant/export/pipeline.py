@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError, VerificationFailed
+from ..errors import CpuQuantError, Interrupted, VerificationFailed
 from ..io.artifact import StagedOutput
 from . import qnn, xnnpack
 from .model import (
@@ -74,6 +74,9 @@ class PhoneExportSettings:
                                 f"not {scheme!r}")
         if self.backend == "xnnpack" and scheme != "fp32":
             xnnpack.check_scheme(scheme)
+        if self.backend == "xnnpack" and self.calib is not None:
+            raise CpuQuantError("--calib applies to --backend qnn only: the XNNPACK schemes "
+                                "quantize activations at run time and calibrate nothing")
         for name in ("prefill_len", "calib_len", "verify_len", "verify_windows", "gen_tokens"):
             if getattr(self, name) < 1:
                 raise CpuQuantError(f"--{name.replace('_', '-')} must be >= 1")
@@ -161,7 +164,8 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
     if not calib_windows:
         calibration["source"] = None
         calibration["note"] = "uncalibrated: activation ranges come from the trace input only"
-    extra = {f"qnn_{name}.pt2": "calibrated quantized program (torch.export) for QNN lowering"
+    state = "calibrated" if calib_windows else "UNCALIBRATED"
+    extra = {f"qnn_{name}.pt2": f"{state} quantized program (torch.export) for QNN lowering"
              for name in programs}
     if qnn.qnn_sdk_root() is not None:
         manager = qnn.lower_to_qnn(programs, shape, settings.soc)
@@ -182,11 +186,18 @@ def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
 def calibration_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     from ..data.corpus import load_texts, token_windows
 
+    texts = load_texts(settings.calib, "calibration")  # a missing --calib is an error even at 0
     if settings.calib_samples == 0:
         return []
     length = min(settings.calib_len, settings.max_seq_len)
-    return token_windows(tok, load_texts(settings.calib, "calibration"), settings.calib_samples,
-                         length)
+    try:
+        return token_windows(tok, texts, settings.calib_samples, length)
+    except CpuQuantError as exc:  # phrased in the quantize commands' flags; restate in ours
+        if "too short" not in str(exc):
+            raise
+        raise CpuQuantError(f"the calibration text is too short for one window of {length} "
+                            f"tokens (calibration windows are min(128, --max-seq-len) tokens)"
+                            ) from None
 
 
 def _prompts(tok, settings: PhoneExportSettings) -> tuple[list[str], list[list[int]]]:
@@ -213,8 +224,6 @@ QNN_NEXT_STEP = (
 def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings, *,
                  overwrite: bool = False, progress: bool = True) -> dict:
     """Export, verify and write; returns the report. Raises CpuQuantError / VerificationFailed."""
-    from tqdm import tqdm
-
     src = Path(src)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -226,6 +235,25 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     heldout = heldout_windows(tok, settings)
     check_no_overlap(calib_windows, heldout)
     prompt_texts, prompts = _prompts(tok, settings)
+
+    # Refuse an existing OUT and take the lock before minutes of work; everything is written
+    # into the staging directory, which is renamed to OUT only after verification passed.
+    with StagedOutput(out, overwrite=overwrite) as staged:
+        try:
+            report = _build_verify_write(src, staged, settings, tok, calib_windows, heldout,
+                                         prompt_texts, prompts, timings, t0, progress)
+        except KeyboardInterrupt:
+            # export-phone has no --resume: as a CpuQuantError, the staging directory goes too
+            raise Interrupted("interrupted: nothing was written") from None
+        staged.commit()
+    return report
+
+
+def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSettings, tok,
+                        calib_windows: list[list[int]], heldout: list[list[int]],
+                        prompt_texts: list[str], prompts: list[list[int]],
+                        timings: dict[str, float], t0: float, progress: bool) -> dict:
+    from tqdm import tqdm
 
     model = load_static_lm(src, settings.max_seq_len)
     shape = settings.shape(model)
@@ -242,58 +270,57 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
         built = build_xnnpack(model, shape, settings)
     timings["quantize_and_lower"] = time.perf_counter() - t
 
-    with StagedOutput(out, overwrite=overwrite) as staged:
-        t = time.perf_counter()
-        pte = staged.path("model.pte")
-        with open(pte, "wb") as fh:
-            built.manager.write_to_file(fh)
-        if built.qnn_programs is not None:
-            qnn.save_programs(built.qnn_programs, staged.staging)
-        staged.copy_tokenizer_files(src)
-        timings["write"] = time.perf_counter() - t
+    t = time.perf_counter()
+    pte = staged.path("model.pte")
+    with open(pte, "wb") as fh:
+        built.manager.write_to_file(fh)
+    if built.qnn_programs is not None:
+        qnn.save_programs(built.qnn_programs, staged.staging)
+    tokenizer_files = staged.copy_tokenizer_files(src)
+    timings["write"] = time.perf_counter() - t
 
-        t = time.perf_counter()
-        arms = {"pte": pte_step_functions(pte),
-                "quantized": (built.quantized["prefill"], built.quantized["decode"]),
-                "float": (reference, reference)}
-        bar = tqdm(total=len(heldout) + len(prompts), desc="verifying", disable=not progress)
-        result = verify(shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,
-                        tok.decode, tok.eos_token_id, progress=bar.update)
-        bar.close()
-        timings["verify"] = time.perf_counter() - t
-        if not result.passed:
-            raise VerificationFailed(
-                "model.pte disagrees with its own quantized eager graph on held-out text ("
-                + "; ".join(result.failures) + "); nothing was written")
+    t = time.perf_counter()
+    arms = {"pte": pte_step_functions(pte),
+            "quantized": (built.quantized["prefill"], built.quantized["decode"]),
+            "float": (reference, reference)}
+    bar = tqdm(total=len(heldout) + len(prompts), desc="verifying", disable=not progress)
+    result = verify(shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,
+                    tok.decode, tok.eos_token_id, progress=bar.update)
+    bar.close()
+    timings["verify"] = time.perf_counter() - t
+    if not result.passed:
+        raise VerificationFailed(
+            "model.pte disagrees with its own quantized eager graph on held-out text ("
+            + "; ".join(result.failures) + "); nothing was written")
 
-        produced = {"model.pte": {"bytes": pte.stat().st_size, "sha256": sha256_file(pte),
-                                  "what": _pte_description(settings, built)}}
-        for name, what in built.extra_files.items():
-            path = staged.path(name)
-            produced[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path),
-                              "what": what}
-        timings["total"] = time.perf_counter() - t0
-        report = {
-            "backend": settings.backend,
-            "scheme": settings.resolved_scheme,
-            "settings": asdict(settings),
-            "graph": asdict(shape),
-            "produced": produced,
-            "sizes": {"pte_bytes": produced["model.pte"]["bytes"], "float32_bytes": fp32_bytes,
-                      "ratio_vs_float32": round(produced["model.pte"]["bytes"] / fp32_bytes, 4)},
-            "ops": count_ops(built.manager),
-            "calibration": built.calibration,
-            "verification": result.to_dict(),
-            "timings_s": {k: round(v, 2) for k, v in timings.items()},
-            "provenance": provenance(src),
-        }
-        if settings.backend == "qnn":
-            report["qnn_lowering"] = built.qnn_lowering
-            if built.qnn_lowering != "htp":
-                report["qnn_next_step"] = QNN_NEXT_STEP.format(out=Path(out).absolute(),
-                                                               soc=settings.soc)
-        staged.write_json("export_report.json", json_safe(report))
-        staged.commit()
+    produced = {"model.pte": {"bytes": pte.stat().st_size, "sha256": sha256_file(pte),
+                              "what": _pte_description(settings, built)}}
+    described = {**built.extra_files,
+                 **{name: "tokenizer file, copied from the source" for name in tokenizer_files}}
+    for name, what in described.items():
+        path = staged.path(name)
+        produced[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path),
+                          "what": what}
+    timings["total"] = time.perf_counter() - t0
+    report = {
+        "backend": settings.backend,
+        "scheme": settings.resolved_scheme,
+        "settings": asdict(settings),
+        "graph": asdict(shape),
+        "produced": produced,
+        "sizes": {"pte_bytes": produced["model.pte"]["bytes"], "float32_bytes": fp32_bytes,
+                  "ratio_vs_float32": round(produced["model.pte"]["bytes"] / fp32_bytes, 4)},
+        "ops": count_ops(built.manager),
+        "calibration": built.calibration,
+        "verification": result.to_dict(),
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "provenance": provenance(src),
+    }
+    if settings.backend == "qnn":
+        report["qnn_lowering"] = built.qnn_lowering
+        if built.qnn_lowering != "htp":
+            report["qnn_next_step"] = QNN_NEXT_STEP.format(out=staged.dst, soc=settings.soc)
+    staged.write_json("export_report.json", json_safe(report))
     return report
 
 
@@ -302,5 +329,6 @@ def _pte_description(settings: PhoneExportSettings, built: Built) -> str:
         return f"XNNPACK-delegated program, {settings.resolved_scheme}"
     if built.qnn_lowering == "htp":
         return f"QNN HTP-delegated program ({settings.soc}), w8a16"
-    return ("w8a16 calibrated program on ExecuTorch's portable CPU kernels (NOT lowered to the "
-            "HTP: QNN_SDK_ROOT is unset)")
+    calibrated = "calibrated" if built.calibration["samples"] else "UNCALIBRATED"
+    return (f"w8a16 {calibrated} program on ExecuTorch's portable CPU kernels (NOT lowered to "
+            "the HTP: QNN_SDK_ROOT is unset)")

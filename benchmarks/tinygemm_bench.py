@@ -1,7 +1,9 @@
-"""Runtime benchmark: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
+"""cpu_int4 benchmark: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
 
-    python -m benchmarks.runtime_bench [--models demo,qwen05b] [--passes N] [--smoke]
-                                       [--out DIR] [--workdir DIR] [--eager]
+    python -m benchmarks.tinygemm_bench [--models demo,qwen05b] [--passes N] [--smoke]
+                                        [--decode-tokens N] [--out DIR] [--workdir DIR]
+                                        [--eager]
+    python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--out DIR]
 
 One harness suite per model (``benchmarks/harness.py``: arms interleaved with the order rotated
 every pass, >= 3 passes, median and spread, per-pass ratios to the ``bf16`` arm, failures
@@ -25,13 +27,23 @@ and a 256 MiB KV cache, then measures:
 
 ``rss_anon_bytes``         RssAnon summed over the engine's process tree after start-up
 ``decode_tok_s``           batch 1: ``(N - 1) / (t(N tokens) - t(1 token))`` for a 16-token
-                           prompt, N = ``--decode-tokens`` (128), best of 3 inside the pass
+                           prompt, N = ``--decode-tokens`` (64), best of 3 inside the pass
 ``prefill_tok_s``          a 512-token prompt, 1 output token: 512 / time, best of 3
 ``start_seconds``          ``LLM(...)`` construction
 
 Each pass checks its knob (MEASURING.md rule 4): the engine's whole log (all processes) goes
 to ``pass.json.log``; the cpu_int4 arm must log the tinygemm layout line, the gptq arm vLLM's
 ``CPUWNA16LinearKernel``.
+
+``kernel`` (attribution, MEASURING.md rule 9): in one process, with every core, the time of one
+step's linear layers for each model's shapes, called one by one as the model calls them:
+``torch.ops.cpu_quant.int4pack_linear`` against the bf16 GEMM (``F.linear``) on the same
+shapes, at M = 1 (decode: the tinygemm kernel; median of 50) and M = 512 (the prefill: the
+dequantize path; median of 5; the head is left out, vLLM computes logits for one position).
+Set beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it
+splits a step into the linears' share and the rest (attention, norms, sampling, vLLM's
+per-step overhead). Written to
+``benchmarks/results/tinygemm-kernel-<stamp>.json`` with provenance.
 """
 
 from __future__ import annotations
@@ -113,9 +125,13 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     log = log_path.read_text(errors="replace")
+    import re
+
+    bound = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
     result = {"start_seconds": start, "rss_anon_bytes": rss, "decode_tok_s": max(decode),
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
-              "knobs": {arm: text in log for arm, text in KNOBS.items()}}
+              "knobs": {arm: text in log for arm, text in KNOBS.items()},
+              "omp_core_ids": [int(c) for c in bound[-1].split(",")] if bound else None}
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out)
@@ -167,6 +183,116 @@ def build_artifacts(model: str, workdir: Path) -> dict[str, Path]:
             "cpu_int4": _quantized(src, workdir / f"{model}-cpu_int4-rtn", CpuInt4Layout())}
 
 
+# -- kernel attribution ---------------------------------------------------------------------------
+def _decode_linears(config: dict) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, group) of the linears one decode step calls, as vLLM fuses them."""
+    from cpu_quant.quantize.plan import choose_group
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    layers = config["num_hidden_layers"]
+    shapes = [("qkv_proj", (heads + 2 * kv) * head_dim, h), ("o_proj", h, heads * head_dim),
+              ("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)]
+    out = [(f"layers.*.{n}", nn, k, choose_group(n, k, 128, False)[0]) for n, nn, k in shapes
+           for _ in range(layers)]
+    vocab = config["vocab_size"]
+    out.append(("lm_head", vocab, h, choose_group("lm_head", h, 128, False)[0]))
+    return out
+
+
+ROWS = (1, 512)  # a decode step (batch 1) and the benchmark's 512-token prefill
+
+
+def _median_ms(fn, reps: int = 50) -> float:
+    import statistics
+
+    for _ in range(min(reps, 5)):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def kernel_attribution(model: str, src: Path) -> dict:
+    """Median time of one decode step's linears (M = 1), tinygemm vs bf16, called in order."""
+    import torch
+    import torch.nn.functional as F
+
+    from cpu_quant import tinygemm_runtime  # noqa: F401  (registers the op)
+    from cpu_quant.quantize import tinygemm_pack as tp
+
+    config = json.loads((src / "config.json").read_text())
+    linears = _decode_linears(config)
+    unique = {}
+    for name, n, k, g in linears:
+        if (name, n, k, g) in unique:
+            continue
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        storage, sview, zview = tp.scale_zero_storage(n, k, g)
+        sview.fill_(0.01)
+        zview.fill_(0.001)
+        unique[(name, n, k, g)] = (tp.torch_pack(codes), storage,
+                                   (torch.randn(n, k) * 0.02).to(torch.bfloat16))
+    per_module = []
+    for (name, n, k, g), (packed, storage, w) in unique.items():
+        count = sum(1 for lin in linears if lin == (name, n, k, g))
+        row = {"module": name, "n": n, "k": k, "group": g, "calls_per_step": count,
+               "int4_bytes": n * k // 2 + 4 * n * (k // g), "bf16_bytes": 2 * n * k}
+        for rows in ROWS:
+            xk = torch.randn(rows, k).to(torch.bfloat16)
+            reps = 50 if rows == 1 else 5
+            row[f"int4_ms_m{rows}"] = round(_median_ms(
+                lambda xk=xk, packed=packed, storage=storage, g=g:
+                torch.ops.cpu_quant.int4pack_linear(xk, packed, storage, g), reps), 4)
+            row[f"bf16_ms_m{rows}"] = round(_median_ms(lambda xk=xk, w=w: F.linear(xk, w),
+                                                       reps), 4)
+        if name != "lm_head":  # the prefill computes logits for the last position only
+            per_module.append(row)
+        else:
+            per_module.append({**row, f"int4_ms_m{ROWS[-1]}": None,
+                               f"bf16_ms_m{ROWS[-1]}": None})
+    step = {f"{arm}_m{rows}": round(sum((m[f"{arm}_ms_m{rows}"] or 0.0) * m["calls_per_step"]
+                                        for m in per_module), 3)
+            for arm in ("int4", "bf16") for rows in ROWS}
+    return {"model": model, "torch_threads": torch.get_num_threads(), "rows": list(ROWS),
+            "modules": per_module, "linears_ms_per_step": step}
+
+
+def kernel_main(argv: list[str]) -> int:
+    from .provenance import collect, validate
+
+    parser = argparse.ArgumentParser(prog="tinygemm_bench kernel")
+    parser.add_argument("--models", default="demo,qwen05b")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--workdir", default="/tmp/cpu-quant-bench/tinygemm-kernel")
+    args = parser.parse_args(argv)
+    from cpu_quant.models.demo import demo_model_path
+
+    results, inputs = [], {}
+    for model in args.models.split(","):
+        src = demo_model_path() if model == "demo" else _random_qwen(Path(args.workdir) /
+                                                                     "qwen05b-bf16")
+        inputs[model] = src
+        r = kernel_attribution(model, src)
+        print(f"{model}: linears per step (ms): {r['linears_ms_per_step']}", file=sys.stderr)
+        results.append(r)
+    prov = collect({"models": args.models, "m_rows": list(ROWS), "reps": {"1": 50, "512": 5},
+                    "statistic": "median"},
+                   inputs)
+    validate(prov)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = Path(args.out) / f"tinygemm-kernel-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"suite": "tinygemm-kernel", "results": results,
+                               "provenance": prov}, indent=2) + "\n")
+    print(out)
+    return 0
+
+
 # -- the suite ------------------------------------------------------------------------------------
 def omp_bind() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -176,7 +302,7 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool) -> Arm:
     def command(ctx: PassContext) -> Command:
         env = {"VLLM_CACHE_ROOT": str(ctx.workdir.parent.parent / f"vllm-cache-{name}"),
                "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_LOGGING_LEVEL": "INFO"}
-        argv = [sys.executable, "-m", "benchmarks.runtime_bench", "one-pass", str(path),
+        argv = [sys.executable, "-m", "benchmarks.tinygemm_bench", "one-pass", str(path),
                 str(ctx.workdir / "pass.json"), str(decode_tokens)] + (["--eager"] if eager else [])
         return Command(argv, env=env, cwd=str(REPO), timeout=PASS_TIMEOUT_S)
 
@@ -185,18 +311,23 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool) -> Arm:
         if name in KNOBS and not data["knobs"][name]:
             raise HarnessError(f"{name}: the log lacks {KNOBS[name]!r}; the arm did not run its "
                                "kernel")
+        cores = sorted(os.sched_getaffinity(0))
+        if data.get("omp_core_ids") != cores:
+            raise HarnessError(f"{name}: vLLM bound its OpenMP threads to "
+                               f"{data.get('omp_core_ids')}, not every core {cores}")
         return {m.name: float(data[m.name]) for m in METRICS}
 
     def extras(ctx: PassContext, run: RunRecord) -> dict:
         data = json.loads((ctx.workdir / "pass.json").read_text())
-        return {"decode_all": data["decode_all"], "prefill_all": data["prefill_all"]}
+        return {"decode_all": data["decode_all"], "prefill_all": data["prefill_all"],
+                "omp_core_ids": data.get("omp_core_ids"), "loadavg_after": os.getloadavg()}
 
     return Arm(name, {"model": str(path)}, command, collect, extras=extras)
 
 
 def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eager: bool) -> Suite:
     return Suite(
-        name=f"runtime-{model}",
+        name=f"tinygemm-{model}",
         description=(f"vLLM CPU decode (batch 1) and prefill ({PROMPT_LEN} tokens) speed and "
                      f"RssAnon, bf16 vs GPTQ vs cpu_int4, on {model}"),
         metrics=METRICS, arms=[_arm(n, p, decode_tokens, eager) for n, p in artifacts.items()],
@@ -216,18 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["one-pass"]:
         one_pass(argv[1], Path(argv[2]), int(argv[3]), "--eager" in argv[4:])
         return 0
+    if argv[:1] == ["kernel"]:
+        return kernel_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="demo,qwen05b")
     parser.add_argument("--passes", type=int, default=None)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    root = Path(args.workdir or f"/tmp/cpu-quant-bench/runtime-{stamp}")
+    root = Path(args.workdir or f"/tmp/cpu-quant-bench/tinygemm-{stamp}")
     failed = 0
     for model in args.models.split(","):
         if model not in ("demo", "qwen05b"):
