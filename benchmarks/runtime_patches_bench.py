@@ -46,8 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,21 +72,13 @@ ARMS = {"stock": "", "patched": "cpu_quant"}  # arm -> VLLM_PLUGINS
 # -- one pass (runs in its own process) --------------------------------------------------------
 def _start(model: str, env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(ENGINE), model, "--compile", "--kv-bytes", str(KV_BYTES)]
-    t0 = time.perf_counter()
-    # own session: on a timeout the engine core and worker go too, not just the runner
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\nkilled after {ENGINE_TIMEOUT_S} s"
-    wall = time.perf_counter() - t0
+    from tests.runtime_patches_engine import run_process_tree
+
+    returncode, out, err, wall = run_process_tree(cmd, env, ENGINE_TIMEOUT_S)
     log = out + err
-    if proc.returncode != 0:
+    if returncode != 0:
         sys.stderr.write(log[-4000:])
-        raise SystemExit(f"engine start failed with exit status {proc.returncode}")
+        raise SystemExit(f"engine start failed with exit status {returncode}")
     result = json.loads(next(line for line in out.splitlines()
                              if line.startswith("RESULT "))[len("RESULT "):])
     result.update({

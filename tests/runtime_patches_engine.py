@@ -68,6 +68,26 @@ if os.environ.get("CPU_QUANT_TEST_SIMULATE_UPSTREAM") == "1":
     _simulate_upstream_changes()
 
 
+def run_process_tree(cmd: list[str], env: dict[str, str], timeout: float
+                     ) -> tuple[int, str, str, float]:
+    """Run ``cmd`` (an engine start) in its own session and return (exit status, stdout,
+    stderr, wall seconds). On a timeout the whole tree goes (engine core and worker included),
+    not just the runner, and stderr says so. Shared by the tests and the benchmark."""
+    import signal
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\nkilled after {timeout} s"
+    return proc.returncode, out, err, time.perf_counter() - t0
+
+
 def _rss_by_process(pids: list[int]) -> dict[str, list]:
     """{pid: [name, RssAnon bytes]}; a short-lived child (a compiler, ldconfig) may exit while
     being read and is left out."""

