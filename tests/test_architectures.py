@@ -64,3 +64,33 @@ def test_quantized_model_stays_close(tiny_model, tmp_path):
     cos = torch.nn.functional.cosine_similarity(ref.flatten(), quant.flatten(), dim=0)
     # 4-bit weights on random tiny models: measured cosine ~0.99; 0.95 catches a wrong layout
     assert cos > 0.95, f"{arch}: cosine {cos:.3f}"
+
+
+@torch.no_grad()
+def test_hessian_pass_stops_early_without_changing_the_hessians(tiny_model):
+    """Batches after the first end once every linear has seen its input (down_proj's product
+    is skipped); the Hessians equal those of full forwards, and the early stop really fires."""
+    from cpu_quant.quantize.pipeline import HessianAccumulator
+
+    arch, path = tiny_model
+    stream = LayerStream(open_checkpoint(path))
+    gen = torch.Generator().manual_seed(2)
+    hidden = stream.capture([torch.randint(0, 49152, (2, 32), generator=gen) for _ in range(3)])
+    stream.load_layer(0)
+    linears = stream.linears(0)
+
+    full = HessianAccumulator(linears)
+    for _ in stream.forward_layer(0, hidden):
+        pass
+    full.close()
+
+    early = HessianAccumulator(linears)
+    completed = []
+    stream.observe_layer(0, hidden, early.begin_batch, lambda: (completed.append(1), early.end_batch()))
+    early.close()
+
+    assert len(completed) == 1, f"{arch}: {len(completed)} of 3 batches ran to the end"
+    assert set(early.h) == set(full.h) == set(linears)
+    for name in linears:
+        assert early.count[name] == full.count[name]
+        assert torch.equal(early.hessian(name), full.hessian(name)), name

@@ -128,3 +128,36 @@ def test_groupquant_dequantize_formula():
     assert gq.dequantize().tolist() == [[-4.0, 0.0, -14.0, 8.0]]
     gq_asym = GroupQuant(codes, torch.tensor([[0.5, -2.0]]), torch.tensor([[1.0, 0.25]]), 2)
     assert gq_asym.dequantize().tolist() == [[-3.0, 1.0, -13.75, 8.25]]
+
+
+def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
+    """quantize_linears shares row blocks out to one worker per torch thread; every result
+    (codes, scales, zeros, report) must equal the single-worker run bit for bit, in job order."""
+    from cpu_quant.quantize import pipeline
+    from cpu_quant.quantize.plan import plan_linear
+
+    monkeypatch.setattr(pipeline, "ROW_BLOCK", 48)  # the tall job spans 3 row blocks
+    gen = torch.Generator().manual_seed(5)
+    jobs = []
+    for name, (n, k) in {"a": (40, 64), "tall": (130, 64), "b": (16, 128)}.items():
+        x = torch.randn(256, k, generator=gen)
+        jobs.append(pipeline._Job(torch.randn(n, k, generator=gen).to(torch.bfloat16),
+                                  plan_linear(name, k, n, 32, False),
+                                  2 * x.t() @ x / 256))
+    runs = {}
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for grid in (GridSpec(), GridSpec(symmetric=False)):
+                settings = pipeline.QuantSettings(method="gptq", group_size=32)
+                runs[threads, grid.symmetric] = pipeline.quantize_linears(jobs, settings, grid)
+    finally:
+        torch.set_num_threads(previous)
+    for sym in (True, False):
+        one, two = runs[1, sym], runs[2, sym]
+        assert [r.name for _, r in two] == ["a", "tall", "b"]
+        for (g1, r1), (g2, r2) in zip(one, two):
+            assert torch.equal(g1.codes, g2.codes) and torch.equal(g1.scales, g2.scales)
+            assert (g1.zeros is None) == sym and (sym or torch.equal(g1.zeros, g2.zeros))
+            assert r1 == r2

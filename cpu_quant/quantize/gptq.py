@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import GroupQuant, dequantize_codes, grouped, quantize_codes
+from .grid import QMAX, QMIN, QZERO, GroupQuant, grouped, quantize_codes
 from .scale_search import absmax_scales, search_asymmetric_scales, search_symmetric_scales
 
 DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)
@@ -118,6 +118,13 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
 
     codes = torch.zeros(n, k, dtype=torch.uint8)
     block = max(block_size // g, 1) * g if not act_order else block_size
+    # The sweep is a long chain of small ops on one column at a time, so the per-column work
+    # is kept to the minimum: Python scalars for the indices and pivots, each group's scale
+    # (and its zero-scale mask) prepared once when the group changes, and the rank-1 update
+    # done in place.
+    groups = group_of.tolist()
+    pivots = torch.diagonal(hinv).tolist()
+    current, s_col, z_col, safe, dead_scale = -1, None, None, None, None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1 = w[:, i1:i2].clone()
@@ -125,20 +132,29 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            grp = int(group_of[col])
+            grp = groups[col]
             if not act_order and col % g == 0:
                 imp = importance[perm[col:col + g]].reshape(1, g)
                 s, z = fit_group(w1[:, i:i + g].unsqueeze(1), imp.unsqueeze(0), grid)
                 scales[:, grp] = s.reshape(n)
                 if zeros is not None and z is not None:
                     zeros[:, grp] = z.reshape(n)
-            s_col = scales[:, grp]
-            z_col = None if zeros is None else zeros[:, grp]
-            q = quantize_codes(w1[:, i], s_col, z_col)
-            codes[:, col] = q.to(torch.uint8)
-            d = hinv1[i, i]
-            e = (w1[:, i] - dequantize_codes(q, s_col, z_col)) / d
-            w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+                current = -1
+            if grp != current:
+                current = grp
+                s_col = scales[:, grp].contiguous()
+                z_col = None if zeros is None else zeros[:, grp].contiguous()
+                dead_scale = s_col == 0
+                safe = torch.where(dead_scale, torch.ones_like(s_col), s_col)
+            wcol = w1[:, i]
+            target = wcol if z_col is None else wcol - z_col
+            q = torch.round(target / safe).add_(QZERO).masked_fill_(dead_scale, QZERO).clamp_(QMIN, QMAX)
+            codes[:, col] = q
+            deq = (q - QZERO).mul_(s_col)
+            if z_col is not None:
+                deq += z_col
+            e = (wcol - deq).div_(pivots[col])
+            w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1.0)
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
 from .gptq import GridSpec, quantize_gptq, quantize_rtn, snr_db, weighted_error_terms
 from .grid import GroupQuant
 from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
-from .streaming import LayerStream
+from .streaming import LayerDone, LayerStream
 
 METHODS = ("gptq", "rtn")
 
@@ -118,16 +119,33 @@ def bf16_products():
 
 
 class HessianAccumulator:
-    """Forward hooks that sum XᵀX (float32) of every hooked linear's input."""
+    """Forward pre-hooks that sum XᵀX (float32) of every hooked linear's input.
+
+    The pass that collects Hessians has no use for what the layer computes after the last
+    hooked linear has seen its input (on Llama-like layers: down_proj's product and the
+    residual add, a quarter of the MLP). Once the first batch has shown that every hooked
+    linear runs exactly once per call of the layer, later batches stop there
+    (:class:`LayerDone`); a layer that calls a linear twice always runs to the end.
+    """
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.h: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
+        self.names = list(modules)
+        self._calls: dict[str, int] = {}
+        self._stop_early = False
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in modules.items()]
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
+
+    def begin_batch(self) -> None:
+        self._calls = {}
+
+    def end_batch(self) -> None:
+        """After a batch that ran to the end: may later batches stop early?"""
+        self._stop_early = bool(self.names) and all(self._calls.get(n) == 1 for n in self.names)
 
     def _hook(self, name: str) -> Callable:
-        def hook(module, inputs, output):
+        def hook(module, inputs):
             x = inputs[0]
             # q/k/v (and gate/up) see the same input tensor: compute its XᵀX once.
             if self._last is not None and self._last[0] is x:
@@ -144,6 +162,9 @@ class HessianAccumulator:
             else:
                 self.h[name] = xtx.clone()
                 self.count[name] = rows
+            self._calls[name] = self._calls.get(name, 0) + 1
+            if self._stop_early and len(self._calls) == len(self.names):
+                raise LayerDone
         return hook
 
     def hessian(self, name: str) -> torch.Tensor:
@@ -157,13 +178,7 @@ class HessianAccumulator:
 
 @contextmanager
 def torch_threads(n: int):
-    """Run the block with ``n`` intra-op threads.
-
-    The GPTQ sweep and the scale search are long chains of small element-wise ops, which a
-    thread pool slows down: measured here on down_proj [576 x 1536], 0.45 s of CPU with one
-    thread against 12 s with two (OpenMP barriers spinning, worse on a busy machine). The big
-    matmuls (forward passes, Hessians) keep every thread.
-    """
+    """Run the block with ``n`` intra-op threads (see :func:`quantize_linears`)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -175,38 +190,75 @@ def torch_threads(n: int):
 ROW_BLOCK = 4096  # output rows quantized at a time
 
 
-def _quantize_one(weight: torch.Tensor, plan: LinearPlan, settings: QuantSettings, grid: GridSpec,
-                  hessian: torch.Tensor | None) -> tuple[GroupQuant, TensorReport]:
+@dataclass
+class _Job:
+    """One linear to quantize: its weight, plan and Hessian (None for data-free RTN)."""
+
+    weight: torch.Tensor
+    plan: LinearPlan
+    hessian: torch.Tensor | None
+
+
+def _quantize_rows(w: torch.Tensor, job: _Job, settings: QuantSettings, grid: GridSpec):
+    g = job.plan.group_size
+    importance = None if job.hessian is None else torch.diag(job.hessian)
+    stats = None
+    if settings.method == "gptq" and job.hessian is not None:
+        part, stats = quantize_gptq(w, job.hessian, g, grid, act_order=settings.act_order,
+                                    damp=settings.damp)
+    else:
+        part = quantize_rtn(w, g, grid, importance)
+    signal, noise = weighted_error_terms(w, part.dequantize(), importance)
+    return part, stats, signal, noise
+
+
+def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
+                     ) -> list[tuple[GroupQuant, TensorReport]]:
+    """Quantize every job; results in the jobs' order, bit-identical to one job at a time.
+
+    GPTQ and the scale search treat every output row on its own, so a tall matrix (the output
+    head: 49152 rows on the demo model) is cut into row blocks; its float32 working copies
+    would otherwise set the run's peak memory. The sweep and the search are long chains of
+    small element-wise ops, which an intra-op thread pool slows down (measured on down_proj
+    [576 x 1536]: 0.45 s of CPU with one thread against 12 s with two, OpenMP barriers
+    spinning), so every op runs on one thread and the row blocks of all jobs are shared out,
+    largest first, to one worker thread per torch thread instead. The big matmuls (forward
+    passes, Hessians) keep every thread.
+    """
+    units = [(j, r0) for j, job in enumerate(jobs) for r0 in range(0, job.weight.shape[0], ROW_BLOCK)]
+
+    def size(unit):
+        j, r0 = unit
+        rows, cols = jobs[j].weight.shape
+        return min(ROW_BLOCK, rows - r0) * cols
+
+    def run(unit):
+        j, r0 = unit
+        return unit, _quantize_rows(jobs[j].weight[r0:r0 + ROW_BLOCK], jobs[j], settings, grid)
+
+    order = sorted(units, key=size, reverse=True)
+    workers = max(1, min(torch.get_num_threads(), len(units)))
     with torch_threads(1):
-        return _quantize_one_threaded(weight, plan, settings, grid, hessian)
-
-
-def _quantize_one_threaded(weight: torch.Tensor, plan: LinearPlan, settings: QuantSettings,
-                           grid: GridSpec, hessian: torch.Tensor | None
-                           ) -> tuple[GroupQuant, TensorReport]:
-    g = plan.group_size
-    importance = None if hessian is None else torch.diag(hessian)
-    parts: list[GroupQuant] = []
-    damp, raised, signal, noise = None, False, 0.0, 0.0
-    # GPTQ and the scale search treat every output row on its own, so a tall matrix (the
-    # output head: 49152 rows on the demo model) is done in row blocks; its float32 working
-    # copies would otherwise set the run's peak memory.
-    for r0 in range(0, weight.shape[0], ROW_BLOCK):
-        w = weight[r0:r0 + ROW_BLOCK]
-        if settings.method == "gptq" and hessian is not None:
-            part, stats = quantize_gptq(w, hessian, g, grid, act_order=settings.act_order,
-                                        damp=settings.damp)
-            damp, raised = stats.damp, raised or stats.damp_raised
+        if workers == 1:
+            results = dict(map(run, order))
         else:
-            part = quantize_rtn(w, g, grid, importance)
-        sig_n, noise_n = weighted_error_terms(w, part.dequantize(), importance)
-        signal, noise = signal + sig_n, noise + noise_n
-        parts.append(part)
-    gq = parts[0] if len(parts) == 1 else GroupQuant(
-        torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-        None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]), parts[0].group_size)
-    snr = snr_db(signal, noise)
-    return gq, TensorReport(plan.name, list(weight.shape), g, round(snr, 3), damp, raised)
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-quant") as pool:
+                results = dict(pool.map(run, order))
+    out = []
+    for j, job in enumerate(jobs):
+        blocks = [results[(j, r0)] for r0 in range(0, job.weight.shape[0], ROW_BLOCK)]
+        parts = [b[0] for b in blocks]
+        gq = parts[0] if len(parts) == 1 else GroupQuant(
+            torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+            None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
+            parts[0].group_size)
+        stats = [b[1] for b in blocks if b[1] is not None]
+        damp = stats[-1].damp if stats else None
+        raised = any(st.damp_raised for st in stats)
+        snr = snr_db(sum(b[2] for b in blocks), sum(b[3] for b in blocks))
+        out.append((gq, TensorReport(job.plan.name, list(job.weight.shape), job.plan.group_size,
+                                     round(snr, 3), damp, raised)))
+    return out
 
 
 def _git_sha() -> str | None:
@@ -501,17 +553,15 @@ def _quantize_layer(stream: LayerStream, ckpt, i: int, linears: dict[str, nn.Lin
     and replaced in place by its dequantized weights (for the pass that feeds the next layer)."""
     acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
     try:
-        for _ in stream.forward_layer(i, hidden):
-            pass
+        stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
     finally:
         acc.close()
     tensors: dict[str, torch.Tensor] = {}
-    for name, module in linears.items():
-        plan = layer_plans[name]
-        if not plan.quantize:
-            continue
-        hess = acc.hessian(name) if name in acc.h else None
-        gq, trep = _quantize_one(module.weight.data, plan, settings, grid, hess)
+    names = [n for n in linears if layer_plans[n].quantize]
+    jobs = [_Job(linears[n].weight.data, layer_plans[n], acc.hessian(n) if n in acc.h else None)
+            for n in names]
+    for name, (gq, trep) in zip(names, quantize_linears(jobs, settings, grid)):
+        module = linears[name]
         state.tensors.append(asdict(trep))
         module_tensors = layout.module_tensors(name, gq)
         state.account(gq, module_tensors)
@@ -551,7 +601,7 @@ def _quantize_outer(stream: LayerStream, ckpt, hidden: list[torch.Tensor], setti
                     acc_h += x.t() @ x
                     rows += x.shape[0]
             hess = 2.0 * acc_h / rows
-        gq, trep = _quantize_one(head_w, head_plan, settings, grid, hess)
+        [(gq, trep)] = quantize_linears([_Job(head_w, head_plan, hess)], settings, grid)
         state.tensors.append(asdict(trep))
         head_tensors = layout.module_tensors(HEAD_NAME, gq)
         state.account(gq, head_tensors)

@@ -33,6 +33,10 @@ class _StopForward(Exception):
     pass
 
 
+class LayerDone(Exception):
+    """Raised by a hook in :meth:`LayerStream.observe_layer` to end a batch early."""
+
+
 class _Recorder(nn.Module):
     def __init__(self, original: nn.Module, sink: list, stop: bool) -> None:
         super().__init__()
@@ -187,6 +191,23 @@ class LayerStream:
             call = self.calls[i][b]
             out = layer(h, *call.args, **call.kwargs)
             yield out[0] if isinstance(out, tuple) else out
+
+    @torch.no_grad()
+    def observe_layer(self, i: int, hidden, before_batch=None, after_full_batch=None) -> None:
+        """Run layer ``i`` over every batch only for what its hooks see; a hook may end a batch
+        early by raising :class:`LayerDone`. ``before_batch()`` is called before each batch,
+        ``after_full_batch()`` after each batch that ran to the end."""
+        layer = self.layers[i]
+        for b, h in enumerate(hidden):
+            call = self.calls[i][b]
+            if before_batch is not None:
+                before_batch()
+            try:
+                layer(h, *call.args, **call.kwargs)
+            except LayerDone:
+                continue
+            if after_full_batch is not None:
+                after_full_batch()
 
     def linears(self, i: int) -> dict[str, nn.Linear]:
         prefix = f"{self.layers_prefix}.{i}."
