@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -118,6 +119,8 @@ class TreeRssSampler:
         self.interval = interval
         self.peak_bytes = 0
         self.peak_processes = 0
+        self.peak_at_seconds = 0.0  # when the peak was seen, from start(): locates a transient
+        self._started = time.monotonic()
         self.samples = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -130,6 +133,7 @@ class TreeRssSampler:
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_processes = len(pids)
+            self.peak_at_seconds = time.monotonic() - self._started
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -140,6 +144,7 @@ class TreeRssSampler:
             self._stop.wait(self.interval)
 
     def start(self) -> TreeRssSampler:
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
@@ -150,6 +155,7 @@ class TreeRssSampler:
 
     def as_dict(self) -> dict:
         return {"peak_rss_anon_bytes": self.peak_bytes, "peak_processes": self.peak_processes,
+                "peak_at_seconds": round(self.peak_at_seconds, 2),
                 "samples": self.samples, "interval_s": self.interval,
                 "sample_errors": len(self.errors), "first_error": self.errors[0] if self.errors
                 else None}

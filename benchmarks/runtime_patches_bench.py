@@ -12,8 +12,11 @@ provenance: git SHA, package versions, artifact path + sha256, threads, CPU mode
 
 Arms, differing only in ``VLLM_PLUGINS`` (the A/B switch the plugin promises):
 
-``stock``    ``VLLM_PLUGINS=""``: no general plugin at all (the baseline)
-``patched``  ``VLLM_PLUGINS=cpu_quant``: only this project's plugin
+``stock``        ``VLLM_PLUGINS=""``: no general plugin at all (the baseline)
+``patched``      ``VLLM_PLUGINS=cpu_quant``: only this project's plugin
+``patches-off``  on a ``cpu_int4`` artifact, which stock vLLM cannot load (the quantization
+                 method comes with the plugin), the baseline instead: the plugin with its three
+                 patches switched off (``CPU_QUANT_PATCH_{KV_BUDGET,RELEASE_MEMORY,AOT_CACHE}=0``)
 
 Every pass of an arm is one process, ``python -m benchmarks.runtime_patches_bench one-pass
 MODEL OUT.json``, that starts the engine twice through ``tests/runtime_patches_engine.py``
@@ -33,8 +36,9 @@ Metrics (all lower-is-better):
                                             after the warm ``LLM(...)`` returned (model loaded,
                                             warmed up, KV cache allocated)
 plus the harness' ``wall_seconds`` and ``peak_rss_anon_bytes`` of the whole pass process.
-Each pass checks that its knob is connected (MEASURING.md rule 4): the patched arm must log the
-plugin's lines, the stock arm none; whether the warm start loaded the AOT artifact or compiled
+Each pass checks that its knob is connected (MEASURING.md rule 4), from the engine's own log
+lines (``cpu_quant patch <name>: <status>``): the patched arm must have every patch applied, the
+stock arm no plugin line, the patches-off arm every patch off; whether the warm start loaded the AOT artifact or compiled
 again is recorded as an extra.
 
 This script uses the shared harness (benchmarks/harness.py); it is not registered as a
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,11 @@ METRICS = [
     Metric("rss_anon_after_start_bytes", "B", "lower"),
 ]
 ARMS = {"stock": "", "patched": "cpu_quant"}  # arm -> VLLM_PLUGINS
+PATCHES = ("kv_budget", "release_memory", "aot_cache")
+# Stock vLLM cannot load a cpu_int4 checkpoint (the quantization method comes with the plugin),
+# so on that artifact the baseline keeps the plugin and switches its three patches off.
+PATCHES_OFF = {f"CPU_QUANT_PATCH_{name.upper()}": "0" for name in PATCHES}
+PATCH_LINE = re.compile(r"cpu_quant patch (\w+): (\w+)")
 
 
 # -- one pass (runs in its own process) --------------------------------------------------------
@@ -84,6 +94,8 @@ def _start(model: str, env: dict[str, str]) -> dict:
     result.update({
         "process_wall_seconds": wall,
         "plugin_lines": log.count("cpu_quant patch "),
+        "patch_status": {name: sorted({m.group(2) for m in PATCH_LINE.finditer(log)
+                                       if m.group(1) == name}) for name in PATCHES},
         "saved_aot": "saved AOT compiled function" in log,
         "loaded_aot": "Directly load AOT compilation" in log,
         "compiled_again": "Compiling model again" in log,
@@ -113,11 +125,11 @@ def omp_bind() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
-def _command(model: Path, plugins: str):
+def _command(model: Path, plugins: str, switches: dict[str, str]):
     def command(ctx: PassContext) -> Command:
         env = {"VLLM_PLUGINS": plugins, "VLLM_CACHE_ROOT": str(ctx.workdir / "vllm-cache"),
                "VLLM_CPU_KVCACHE_SPACE": "", "VLLM_LOGGING_LEVEL": "INFO",
-               "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
+               "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), **switches}
         return Command([sys.executable, "-m", "benchmarks.runtime_patches_bench", "one-pass",
                         str(model), str(ctx.workdir / "pass.json")], env=env, cwd=str(REPO),
                        timeout=PASS_TIMEOUT_S)
@@ -128,15 +140,23 @@ def _read(ctx: PassContext) -> dict:
     return json.loads((ctx.workdir / "pass.json").read_text())
 
 
-def _collect(patched: bool):
+def _check_connected(arm: str, start: dict) -> None:
+    """MEASURING.md rule 4: the knob an arm turns must show in the engine's own log."""
+    status = start["patch_status"]
+    if arm == "stock" and start["plugin_lines"] != 0:
+        raise HarnessError("stock arm: the cpu_quant plugin ran")
+    if arm == "patched" and not all(set(status[p]) & {"applied", "deferred"} for p in PATCHES):
+        raise HarnessError(f"patched arm: not every patch was applied: {status}")
+    if arm == "patches-off" and not all(status[p] == ["off"] for p in PATCHES):
+        raise HarnessError(f"patches-off arm: a patch was not switched off: {status}")
+
+
+def _collect(arm: str):
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
         data = _read(ctx)
         cold, warm = data["cold"], data["warm"]
         for start in (cold, warm):
-            if patched and start["plugin_lines"] == 0:
-                raise HarnessError("patched arm: the cpu_quant plugin logged nothing")
-            if not patched and start["plugin_lines"] != 0:
-                raise HarnessError("stock arm: the cpu_quant plugin ran")
+            _check_connected(arm, start)
         return {"cold_start_seconds": cold["start_seconds"],
                 "warm_start_seconds": warm["start_seconds"],
                 "warm_over_cold": warm["start_seconds"] / cold["start_seconds"],
@@ -148,21 +168,32 @@ def _extras(ctx: PassContext, run: RunRecord) -> dict:
     data = _read(ctx)
     return {phase: {k: data[phase][k] for k in
                     ("process_wall_seconds", "kv_tokens", "anon_rss_bytes", "anon_rss_by_process",
-                     "saved_aot", "loaded_aot", "compiled_again", "release_lines", "text")}
+                     "saved_aot", "loaded_aot", "compiled_again", "release_lines", "text",
+                     "patch_status")}
             for phase in ("cold", "warm")}
 
 
+def arm_plan(model: Path) -> dict[str, tuple[str, dict[str, str]]]:
+    """arm -> (VLLM_PLUGINS, patch switches); the first arm is the baseline."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "cpu_int4":
+        return {"patches-off": ("cpu_quant", PATCHES_OFF), "patched": ("cpu_quant", {})}
+    return {name: (plugins, {}) for name, plugins in ARMS.items()}
+
+
 def build_suite(label: str, model: Path) -> Suite:
-    arms = [Arm(name, {"VLLM_PLUGINS": plugins}, _command(model, plugins),
-                _collect(name == "patched"), extras=_extras)
-            for name, plugins in ARMS.items()]
+    plan = arm_plan(model)
+    arms = [Arm(name, {"VLLM_PLUGINS": plugins, **switches}, _command(model, plugins, switches),
+                _collect(name), extras=_extras)
+            for name, (plugins, switches) in plan.items()]
+    baseline = next(iter(plan))
     import torch
 
     return Suite(
         name=f"runtime_patches-{label}",
         description=("vLLM CPU engine start, cold and warm compile cache, and RssAnon after "
-                     f"start-up, stock vs cpu_quant plugin, on the {label} artifact"),
-        metrics=METRICS, arms=arms, baseline="stock",
+                     f"start-up, {baseline} vs cpu_quant plugin, on the {label} artifact"),
+        metrics=METRICS, arms=arms, baseline=baseline,
         settings={"artifact": label, "model": str(model), "kv_cache_memory_bytes": KV_BYTES,
                   "max_model_len": 256, "dtype": "bfloat16", "enforce_eager": False,
                   "VLLM_CPU_KVCACHE_SPACE": None, "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),

@@ -256,6 +256,8 @@ def test_rss_sampler_sums_anonymous_memory_over_the_process_tree():
     # ... counted once: two small interpreters add tens of MiB, not another 200 (no double sum)
     assert run.rss["peak_rss_anon_bytes"] < 300 * 2**20
     assert run.rss["peak_processes"] >= 2 and run.rss["sample_errors"] == 0
+    # the peak is located in time: after the child allocated, before it exited
+    assert 0 < run.rss["peak_at_seconds"] <= run.wall_seconds
 
 
 def test_rss_of_a_finished_tree_is_zero_and_sampler_stops():
@@ -264,3 +266,30 @@ def test_rss_of_a_finished_tree_is_zero_and_sampler_stops():
     assert tree_anon_rss_bytes(os.getpid()) > 0
     sampler = TreeRssSampler(os.getpid(), 0.01).start()
     assert sampler.stop() > 0 and sampler.samples >= 1
+
+
+# -- runtime_patches_bench: arms and their connected knobs ------------------------------------
+def test_runtime_bench_baseline_is_patches_off_where_stock_vllm_cannot_load(tmp_path):
+    from benchmarks import runtime_patches_bench as rb
+
+    for method, expected in (("gptq", ["stock", "patched"]), ("cpu_int4", ["patches-off", "patched"])):
+        model = tmp_path / method
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": method}}))
+        plan = rb.arm_plan(model)
+        assert list(plan) == expected  # the first arm is the baseline
+        assert rb.build_suite(method, model).baseline == expected[0]
+    off_plugins, off_switches = rb.arm_plan(tmp_path / "cpu_int4")["patches-off"]
+    assert off_plugins == "cpu_quant"
+    assert off_switches == {"CPU_QUANT_PATCH_KV_BUDGET": "0", "CPU_QUANT_PATCH_RELEASE_MEMORY": "0",
+                            "CPU_QUANT_PATCH_AOT_CACHE": "0"}
+
+    on = {"plugin_lines": 6, "patch_status": {p: ["applied"] for p in rb.PATCHES}}
+    off = {"plugin_lines": 4, "patch_status": {p: ["off"] for p in rb.PATCHES}}
+    none = {"plugin_lines": 0, "patch_status": {p: [] for p in rb.PATCHES}}
+    rb._check_connected("patched", on)
+    rb._check_connected("patches-off", off)
+    rb._check_connected("stock", none)
+    for arm, start in (("patched", off), ("patches-off", on), ("stock", on), ("patched", none)):
+        with pytest.raises(HarnessError):
+            rb._check_connected(arm, start)

@@ -17,7 +17,7 @@ Arms (interleaved by the harness, each pass a fresh process; baseline ``depth-1x
     ``--offload-activations``
 
 What the ratios should show: ``depth-2x`` and ``depth-4x`` at 1.0 within the spread (the driver
-holds one decoder layer, the calibration activations, and the embedding and head); ``calib-128``
+holds one decoder layer, the calibration activations, and the embedding and head); ``calib-32``
 above 1.0 by the extra activations (24 x 512 x 576 bf16 = 13.5 MiB per copy, two copies while a
 layer is re-run, plus the larger per-layer call records), ``calib-32-offload`` back near
 ``depth-1x``.
