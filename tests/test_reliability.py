@@ -179,3 +179,20 @@ def test_unwritable_output_directory(tiny_llama, tmp_path):
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "cannot write" in res.stderr or "Read-only" in res.stderr, res.stderr[-1000:]
     assert not dst.exists()
+
+
+def test_releasing_the_heap_after_a_layer_starts_no_process(monkeypatch):
+    """The per-layer ``malloc_trim`` must not look libc up again each time:
+    ``ctypes.util.find_library`` forks ``ldconfig``, and a fork of the quantizer briefly doubles
+    the RssAnon summed over its process tree (the memory benchmark's one-off peaks)."""
+
+    from cpu_quant.quantize.pipeline import release_free_heap
+
+    release_free_heap()  # the first call may look the allocators up
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[:1]}")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", no_fork)
+    release_free_heap()
+    release_free_heap()
