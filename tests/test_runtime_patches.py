@@ -121,10 +121,21 @@ def small_model(demo_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="session")
-def gptq_artifact(rtn_plain_artifact: Path) -> Path:
-    """The demo model's data-free RTN GPTQ artifact (conftest: ``cpu-quant gptq --method rtn
-    --calib none --no-scale-search``), shared with the other test modules."""
-    return rtn_plain_artifact
+def served_artifact(request: pytest.FixtureRequest, demo_src: Path, artifacts_dir: Path) -> Path:
+    """A 4-bit demo-model artifact for the patched engines: the data-free RTN GPTQ artifact
+    shared with the other test modules (conftest: ``cpu-quant gptq --method rtn --calib none
+    --no-scale-search``) where vLLM's CPU build can run GPTQ; elsewhere (no AVX-512: vLLM's AVX2
+    kernels lack cpu_gemm_wna16) the same data-free job in the cpu_int4 layout, which the
+    plugin serves with torch's tinygemm kernel on every x86 CPU."""
+    from .conftest import run_cli, vllm_gptq_unavailable
+
+    if vllm_gptq_unavailable() is None:
+        return request.getfixturevalue("rtn_plain_artifact")
+    dst = artifacts_dir / "demo-cpu_int4-rtn-plain"
+    if not (dst / "config.json").is_file():
+        run_cli("tinygemm", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
+                "--no-scale-search", "--no-eval")
+    return dst
 
 
 @pytest.fixture(scope="session")
@@ -146,10 +157,10 @@ def engines(small_model: Path, tmp_path_factory: pytest.TempPathFactory,
     pool = ThreadPoolExecutor(max_workers=2)
     try:
         futures: dict[str, Future] = {"compile": pool.submit(compile_pair)}
-        gptq_artifact: Path = request.getfixturevalue("gptq_artifact")
+        served: Path = request.getfixturevalue("served_artifact")
         eager = {
-            "patched": (gptq_artifact, {}),
-            "release_off": (gptq_artifact, {"CPU_QUANT_PATCH_RELEASE_MEMORY": "0"}),
+            "patched": (served, {}),
+            "release_off": (served, {"CPU_QUANT_PATCH_RELEASE_MEMORY": "0"}),
             "kv_off": (small_model, {"CPU_QUANT_PATCH_KV_BUDGET": "0"}),
             "stock": (small_model, {"VLLM_PLUGINS": ""}),
             "simulated": (small_model, {"CPU_QUANT_TEST_SIMULATE_UPSTREAM": "1"}),
@@ -300,13 +311,13 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
 
 # --- real engines -------------------------------------------------------------------------------
 
-def test_kv_budget_explicit_bytes_win(engines: dict[str, Future], gptq_artifact: Path,
+def test_kv_budget_explicit_bytes_win(engines: dict[str, Future], served_artifact: Path,
                                       small_model: Path) -> None:
     patched = _get(engines, "patched").ok()
     kv_off = _get(engines, "kv_off").ok()
     block_size = patched["block_size"]
-    want_small = expected_kv_blocks(gptq_artifact, KV_BYTES, block_size)
-    assert want_small < expected_kv_blocks(gptq_artifact, 1 << 30, block_size)
+    want_small = expected_kv_blocks(served_artifact, KV_BYTES, block_size)
+    assert want_small < expected_kv_blocks(served_artifact, 1 << 30, block_size)
     assert patched["num_blocks"] == want_small, patched
     assert patched["kv_tokens"] == want_small * block_size
     # switched off: upstream's legacy VLLM_CPU_KVCACHE_SPACE=1 wins. When this starts failing,

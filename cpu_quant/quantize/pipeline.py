@@ -38,7 +38,7 @@ from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
 from .gptq import GridSpec, quantize_gptq, quantize_rtn, snr_db, weighted_error_terms
 from .grid import GroupQuant
 from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
-from .streaming import LayerDone, LayerStream
+from .streaming import LayerDone, LayerStream, compute_dtype
 
 METHODS = ("gptq", "rtn")
 
@@ -283,6 +283,7 @@ def provenance(src: Path) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
+        "compute_dtype": str(compute_dtype()).removeprefix("torch."),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -339,8 +340,9 @@ def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: li
     h = hashlib.sha256()
     fields = asdict(settings)
     fields.pop("offload_activations")  # where activations live does not change the result
-    h.update(json.dumps({"settings": fields, "layout": layout_name,
-                         "config": ckpt.config}, sort_keys=True).encode())
+    # the layers' compute dtype changes the propagated activations, so a resume must keep it
+    h.update(json.dumps({"settings": fields, "layout": layout_name, "config": ckpt.config,
+                         "compute_dtype": str(compute_dtype())}, sort_keys=True).encode())
     for f in sorted(set(ckpt.files.values())):
         h.update(f.name.encode() + str(f.stat().st_size).encode())
         h.update(json.dumps(ckpt.headers[f], sort_keys=True).encode())

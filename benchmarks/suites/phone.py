@@ -1,0 +1,236 @@
+"""Suite ``phone``: XNNPACK programs for phone CPUs, fp32 vs 8da8w vs 8da4w, on this CPU.
+
+Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone --backend xnnpack``:
+
+``fp32``    float32 weights and activations, delegated to XNNPACK
+``8da8w``   int8 weights per channel, int8 activations quantized per token at run time
+``8da4w``   int4 weights in groups of 32, int8 activations per token
+
+**Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme S`` exports
+the source with ``cpu_quant.export.pipeline.export_phone`` (static KV cache, ``prefill`` and
+``decode`` methods, verification against its own quantized eager graph on held-out text
+included) into the arm's build directory. The harness records the build's wall time and peak
+RssAnon (``result["builds"]``); the export's own phase times (load, quantize and lower, write,
+verify) are in every pass's extras. Export time is a single measurement per run, not a median.
+
+**Pass.** ``python -m benchmarks.phone_bench --measure DIR/model.pte`` in a fresh process:
+load the program with ExecuTorch's runtime (pybindings), warm up, prefill a fixed held-out
+prompt through ``prefill`` and greedily decode through ``decode``, batch 1.
+
+Metrics: ``decode_tok_s`` and ``prefill_tok_s`` (higher is better) and ``pte_bytes`` (the
+program's size, lower is better; the same every pass, so its spread is 0 and its ratio is
+the size against fp32's). Extras per pass: program load time, the export's phase times and
+its verification summary (program vs float and vs its quantized eager graph, perplexity).
+
+``--artifact ARM=DIR`` measures an export made elsewhere (``model.pte`` and
+``export_report.json`` from ``cpu-quant export-phone --backend xnnpack`` or an earlier run's
+build directory) instead of exporting: admitted only when its report names the arm's scheme,
+the suite's ``max_seq_len`` and ``prefill_len``, and the source's weights (sha256).
+
+Smoke mode (CI): a tiny random Llama (one decoder layer, hidden 64, the demo tokenizer)
+whose tied embedding is scaled to unit variance, so that its next-token distributions are
+peaked and the export's verification is not decided by near-ties (as in
+``tests/test_export_phone.py``); max_seq_len 48, prefill chunks of 16, a 16-token prompt, 8
+decoded tokens, one verification window. One layer because ExecuTorch's lowering passes cost
+about half a minute per decoder layer and scheme on this machine, whatever the layer's size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .. import phone_bench as pb
+from ..harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
+from .quantize import SuiteOptions, select
+
+REPO = Path(__file__).resolve().parents[2]
+REAL = {"max_seq_len": 128, "prefill_len": 64, "prompt_tokens": 64, "gen_tokens": 32,
+        "verify_windows": 4}
+SMOKE = {"max_seq_len": 48, "prefill_len": 16, "prompt_tokens": 16, "gen_tokens": 8,
+         "verify_windows": 1}
+TIMEOUT = {"export": 2 * 3600, "measure": 1800}
+TIMEOUT_SMOKE = {"export": 600, "measure": 300}
+SMOKE_MODEL_VERSION = 1
+SMOKE_LAYERS = 1  # ExecuTorch's lowering passes cost ~30 s per layer and scheme here
+METRICS = [
+    Metric("decode_tok_s", "tok/s", "higher"),
+    Metric("prefill_tok_s", "tok/s", "higher"),
+    Metric("pte_bytes", "B", "lower"),
+]
+VERIFICATION_KEYS = ("pte_vs_float", "pte_vs_quantized", "quantized_vs_float", "perplexity")
+
+
+def smoke_model(dst: Path) -> Path:
+    """The memory suite's tiny random Llama (one layer), its tied embedding at unit variance."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from .memory import synthetic_model
+
+    marker = dst / "cpu_quant_phone_smoke.json"
+    if marker.is_file():
+        return dst
+    staging = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    synthetic_model(staging, SMOKE_LAYERS, smoke=True)
+    path = staging / "model.safetensors"
+    tensors = load_file(str(path))
+    emb = tensors["model.embed_tokens.weight"].float()
+    tensors["model.embed_tokens.weight"] = (emb / emb.std()).to(torch.bfloat16)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    (staging / marker.name).write_text(json.dumps(
+        {"version": SMOKE_MODEL_VERSION, "embedding": "scaled to unit variance"}) + "\n")
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(staging, dst)
+    return dst
+
+
+def _bench_argv(src: Path, settings: dict) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.phone_bench", "--src", str(src),
+            "--max-seq-len", str(settings["max_seq_len"]),
+            "--prefill-len", str(settings["prefill_len"]),
+            "--prompt-tokens", str(settings["prompt_tokens"]),
+            "--gen-tokens", str(settings["gen_tokens"]),
+            "--verify-windows", str(settings["verify_windows"])]
+
+
+def check_export(export_dir: Path, scheme: str, settings: dict) -> dict:
+    """The export's report, after checking it is this arm's program at the suite's sizes."""
+    report = json.loads((export_dir / "export_report.json").read_text())
+    s = report["settings"]
+    got = (report["backend"], report["scheme"], s["max_seq_len"], s["prefill_len"])
+    want = ("xnnpack", scheme, settings["max_seq_len"], settings["prefill_len"])
+    if got != want:
+        raise ValueError(f"{export_dir}: export (backend, scheme, max_seq_len, prefill_len) = "
+                         f"{got}, the arm wants {want}")
+    if not (export_dir / "model.pte").is_file():
+        raise ValueError(f"{export_dir} has no model.pte")
+    return report
+
+
+def check_source(export_dir: Path, src: Path) -> None:
+    """A program made elsewhere must come from the very checkpoint the passes read (its shapes
+    and tokenizer): the export report's sha256 of the source's weights must match."""
+    from cpu_quant.export.report import sha256_file
+
+    report = json.loads((export_dir / "export_report.json").read_text())
+    ours = {f.name: sha256_file(f) for f in sorted(src.glob("*.safetensors"))}
+    if report.get("provenance", {}).get("source_sha256") != ours:
+        raise ValueError(f"{export_dir} was not exported from {src} (the weights' sha256 differ)")
+
+
+def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
+               prebuilt: Path | None = None) -> Arm:
+    def export_dir(ctx: PassContext) -> Path:
+        return prebuilt if prebuilt is not None else ctx.build_dir / "export"
+
+    def build_cmd(bdir: Path) -> Command:
+        return Command([*_bench_argv(src, settings), "--export", str(bdir / "export"),
+                        "--scheme", scheme], cwd=str(REPO), timeout=timeouts["export"])
+
+    def command(ctx: PassContext) -> Command:
+        pte = export_dir(ctx) / "model.pte"
+        return Command([*_bench_argv(src, settings), "--measure", str(pte),
+                        "--record", str(ctx.workdir / "measure.json")],
+                       cwd=str(REPO), timeout=timeouts["measure"])
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        report = check_export(export_dir(ctx), scheme, settings)
+        rec = json.loads((ctx.workdir / "measure.json").read_text())
+        for key in ("max_seq_len", "prefill_len", "prompt_tokens", "gen_tokens"):
+            if rec[key] != settings[key]:
+                raise HarnessError(f"{scheme}: the pass ran with {key}={rec[key]}, "
+                                   f"not {settings[key]}")
+        pte_bytes = (export_dir(ctx) / "model.pte").stat().st_size
+        if pte_bytes != report["sizes"]["pte_bytes"]:
+            raise HarnessError(f"{scheme}: model.pte is not the program the export reported")
+        return {"decode_tok_s": rec["decode_tok_s"], "prefill_tok_s": rec["prefill_tok_s"],
+                "pte_bytes": pte_bytes}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        report = json.loads((export_dir(ctx) / "export_report.json").read_text())
+        rec = json.loads((ctx.workdir / "measure.json").read_text())
+        return {"load_s": rec["load_s"], "runtime_threads": rec["threads"],
+                "export_timings_s": report["timings_s"],
+                "pte_ratio_vs_float32_params": report["sizes"]["ratio_vs_float32"],
+                "verification": {k: report["verification"].get(k) for k in VERIFICATION_KEYS}}
+
+    return Arm(scheme, {"backend": "xnnpack", "scheme": scheme,
+                        "group_size": 32 if scheme == "8da4w" else None, "source": str(src),
+                        "prebuilt": str(prebuilt) if prebuilt else None},
+               command, collect, build=None if prebuilt else build_cmd,
+               artifacts=lambda ctx: {"model.pte": export_dir(ctx) / "model.pte"},
+               extras=extras)
+
+
+def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
+               arms: list[str] | None = None, prebuilt: dict[str, Path] | None = None,
+               sizes: dict | None = None) -> Suite:
+    settings = {**(SMOKE if smoke else REAL), **(sizes or {})}
+    settings["prefill_len"] = min(settings["prefill_len"], settings["max_seq_len"])
+    timeouts = TIMEOUT_SMOKE if smoke else TIMEOUT
+    if src is None:
+        if smoke:
+            src = smoke_model(workdir / "inputs" / f"phone-smoke-llama-v{SMOKE_MODEL_VERSION}")
+        else:
+            from cpu_quant.models.demo import demo_model_path
+
+            src = demo_model_path()
+    given = {k: Path(v).resolve() for k, v in (prebuilt or {}).items()}
+    unknown = sorted(set(given) - set(pb.ARMS))
+    if unknown:
+        raise ValueError(f"--artifact names unknown arm(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(pb.ARMS)}")
+    chosen = select([scheme_arm(s, src, settings, timeouts, given.get(s)) for s in pb.ARMS],
+                    arms)
+    for arm in chosen:
+        if arm.name in given:  # before spending any pass on it
+            check_export(given[arm.name], arm.name, settings)
+            check_source(given[arm.name], src)
+    return Suite(
+        name="phone",
+        description=("ExecuTorch XNNPACK programs (fp32, 8da8w, 8da4w) on this CPU: .pte size, "
+                     "export time (one build per arm) and prefill/decode tokens/s through the "
+                     "ExecuTorch runtime, batch 1, "
+                     + (f"SMOKE, {src.name}" if smoke else src.name)),
+        metrics=METRICS,
+        arms=chosen,
+        settings={"source": str(src), "backend": "xnnpack", **settings,
+                  "runtime": "ExecuTorch Python runtime (pybindings), greedy, batch 1"},
+        baseline=pb.BASELINE if any(a.name == pb.BASELINE for a in chosen) else None,
+        inputs={"source_model": src},
+        notes=["export time is a one-off build measurement per arm (result['builds'][arm]: "
+               "process wall time and peak RssAnon; extras.export_timings_s: the export's own "
+               "phases), not a median over passes",
+               "pte_bytes is the same in every pass (one build); its ratio is the size against "
+               "the fp32 program"],
+    )
+
+
+def build(opts: SuiteOptions) -> Suite:
+    return make_suite(opts.smoke, opts.workdir, opts.source, opts.arms, opts.prebuilt)
+
+
+def run_from_cli(smoke: bool, passes: int | None, src: Path | None, arms: list[str] | None,
+                 sizes: dict, out: Path, workdir: Path | None) -> int:
+    """``python -m benchmarks.phone_bench``: this suite with its sizes given as flags."""
+    from ..harness import check_passes, run_suite
+    from ..peers import gptqmodel_env
+
+    passes = passes if passes is not None else (1 if smoke else 3)
+    try:
+        check_passes(passes, smoke)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        workdir = workdir or gptqmodel_env._cache_root() / "bench-work" / f"phone-{stamp}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        suite = make_suite(smoke, workdir, src, arms, None, sizes)
+        result, _ = run_suite(suite, passes, smoke, out, workdir)
+    except (HarnessError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1 if result["failed_passes"] else 0

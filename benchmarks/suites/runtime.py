@@ -1,0 +1,101 @@
+"""Suite ``runtime``: vLLM serving speed and memory, bf16 vs GPTQ vs cpu_int4, on the demo model.
+
+A thin wrapper over ``benchmarks/tinygemm_bench.py``, which holds the measurement: each pass of
+an arm is one process (``python -m benchmarks.tinygemm_bench one-pass``) that starts
+``vllm.LLM`` (every CPU of the affinity mask bound, prefix caching off, a 256 MiB KV cache
+through ``kv_cache_memory_bytes``, a private ``VLLM_CACHE_ROOT`` per arm) and measures
+
+``decode_tok_s``    batch 1, ``(N - 1) / (t(N tokens) - t(1 token))`` for a 16-token prompt,
+                    best of 3 inside the pass (N = ``decode_tokens``: 64)
+``prefill_tok_s``   a 512-token prompt, 1 output token: 512 / time, best of 3
+``rss_anon_bytes``  RssAnon summed over the engine's process tree after ``LLM(...)`` returned
+``start_seconds``   ``LLM(...)`` construction (engine start)
+
+Arms (baseline ``bf16``):
+
+``bf16``      the demo model's checkpoint (vLLM's unquantized CPU GEMM)
+``gptq``      ``cpu-quant``'s GPTQ layout, served by stock vLLM (its log must name
+              ``CPUWNA16LinearKernel``)
+``cpu_int4``  ``cpu-quant``'s tinygemm layout, served through the cpu_quant plugin (its log must
+              hold the tinygemm layout line)
+
+The quantized checkpoints are built data-free (RTN, no calibration, no scale search) in the
+work directory before the passes (``tinygemm_bench.build_artifacts``): decode speed does not
+depend on trained or calibrated weights, so what is measured is the layout and its kernel.
+``--artifact ARM=DIR`` serves DIR for that arm instead (the knob check above still applies).
+
+**AVX-512.** vLLM's CPU GPTQ kernel exists only in its AVX-512 builds (see
+``gptq_kernel_missing``): on a CPU without AVX-512 a real run refuses to start while ``gptq``
+is among its arms (``--arms bf16,cpu_int4`` measures the others), and a smoke run skips the arm
+and writes why into the result (``skipped_arms``).
+
+Smoke mode (CI): the quantize suite's 2-layer random Llama (hidden 64, the demo tokenizer)
+through real vLLM, ``enforce_eager``, 8 decode tokens and a 32-token prefill prompt. Measured
+here (2 cores, AVX2): one engine start costs about a minute, nearly all of it three Python
+processes importing vLLM, and ``torch.compile`` adds about 45 s more, hence eager; the demo
+model instead of the tiny one adds its two quantizations and a slower prefill without
+exercising anything more. Its numbers say nothing about speed.
+
+``python -m benchmarks.tinygemm_bench`` keeps the larger random 0.5B Qwen2 model and the
+kernel attribution (``kernel``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import tinygemm_bench as tb
+from ..harness import SkippedArm, Suite
+from .quantize import SuiteOptions, select, source_model
+
+REAL = {"decode_tokens": 64, "prompt_len": tb.PROMPT_LEN, "eager": False}
+SMOKE = {"decode_tokens": 8, "prompt_len": 32, "eager": True}
+
+
+def gptq_kernel_missing() -> str | None:
+    """Why vLLM cannot run the ``gptq`` arm on this CPU, or None when it can
+    (``cpu_quant.probe.vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
+    from cpu_quant.probe import read_machine, vllm_gptq_unavailable
+
+    return vllm_gptq_unavailable(read_machine())
+
+
+def build(opts: SuiteOptions) -> Suite:
+    settings = SMOKE if opts.smoke else REAL
+    prebuilt = {k: Path(v).resolve() for k, v in (opts.prebuilt or {}).items()}
+    unknown = sorted(set(prebuilt) - set(tb.ARMS))
+    if unknown:
+        raise ValueError(f"--artifact names unknown arm(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(tb.ARMS)}")
+    bad = [a for a in opts.arms or [] if a not in tb.ARMS]
+    if bad:  # before minutes of quantization
+        raise ValueError(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(tb.ARMS)}")
+    wanted = [a for a in tb.ARMS if not opts.arms or a in opts.arms]
+    skipped = []
+    why = gptq_kernel_missing()
+    if why and "gptq" in wanted:
+        if not opts.smoke:  # only a smoke run may skip an arm: stop before any quantization
+            raise ValueError(f"the gptq arm cannot run here: {why}; measure the other arms "
+                             "with --arms bf16,cpu_int4")
+        skipped.append(SkippedArm("gptq", why))
+        wanted.remove("gptq")
+    src = source_model(opts)
+    model = "demo" if opts.source is None and not opts.smoke else src.name
+    inputs = opts.workdir / "inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    artifacts = tb.build_artifacts(model, inputs, [a for a in wanted if a not in prebuilt], src)
+    artifacts.update({a: prebuilt[a] for a in wanted if a in prebuilt})
+    artifacts = {a: artifacts[a] for a in tb.ARMS if a in artifacts}
+    suite = tb.build_suite(model, artifacts, settings["decode_tokens"], settings["eager"],
+                           name="runtime", prompt_len=settings["prompt_len"])
+    suite.arms = select(suite.arms, [a for a in opts.arms if a in wanted] if opts.arms else None)
+    for arm in suite.arms:
+        arm.settings["prebuilt"] = str(prebuilt[arm.name]) if arm.name in prebuilt else None
+    suite.skipped = skipped
+    suite.baseline = "bf16" if any(a.name == "bf16" for a in suite.arms) else None
+    suite.settings["source"] = str(src)
+    if opts.smoke:
+        suite.description += " (SMOKE)"
+    suite.notes.append("quantized arms: RTN data-free (--calib none, no scale search), built "
+                       "once before the passes; speed only, fidelity is the fidelity suite's")
+    return suite
