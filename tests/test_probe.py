@@ -24,7 +24,7 @@ CASES = {
         "x86-tinygemm", True),
     "core_i7_8550u_laptop_avx2.txt": (
         "x86_64", {"avx2"}, {"amx", "avx512", "avx512_bf16", "avx512_vnni"},
-        "x86-avx2-tinygemm", False),
+        "x86-avx2-tinygemm", True),
     "graviton3_neoverse_v1_sve.txt": (
         "aarch64", {"neon", "sve"}, {"sve2", "amx", "avx2"}, "arm-w4a16", False),
     "spacemit_k1_x60_rvv.txt": ("riscv64", {"rvv"}, {"neon", "avx2"}, "riscv-gptq", False),
