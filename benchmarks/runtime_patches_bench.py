@@ -38,8 +38,8 @@ Metrics (all lower-is-better):
 plus the harness' ``wall_seconds`` and ``peak_rss_anon_bytes`` of the whole pass process.
 Each pass checks that its knob is connected (MEASURING.md rule 4), from the engine's own log
 lines (``cpu_quant patch <name>: <status>``): the patched arm must have every patch applied, the
-stock arm no plugin line, the patches-off arm every patch off; whether the warm start loaded the AOT artifact or compiled
-again is recorded as an extra.
+stock arm no plugin line, the patches-off arm every patch off; whether the warm start loaded the
+AOT artifact or compiled again is recorded as an extra.
 
 This script uses the shared harness (benchmarks/harness.py); it is not registered as a
 ``python -m benchmarks run`` suite because suites/ belongs to the harness owner.

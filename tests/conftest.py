@@ -20,7 +20,8 @@ SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
 def vllm_gptq_unavailable() -> str | None:
     """Why stock vLLM cannot run a GPTQ checkpoint on this CPU (no AVX-512: its AVX2 kernel
     library lacks cpu_gemm_wna16), or None. The product's own check, on /proc/cpuinfo."""
-    from cpu_quant.probe import read_machine, vllm_gptq_unavailable as why
+    from cpu_quant.probe import read_machine
+    from cpu_quant.probe import vllm_gptq_unavailable as why
 
     return why(read_machine())
 

@@ -157,7 +157,7 @@ def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
     for sym in (True, False):
         one, two = runs[1, sym], runs[2, sym]
         assert [r.name for _, r in two] == ["a", "tall", "b"]
-        for (g1, r1), (g2, r2) in zip(one, two):
+        for (g1, r1), (g2, r2) in zip(one, two, strict=True):
             assert torch.equal(g1.codes, g2.codes) and torch.equal(g1.scales, g2.scales)
             assert (g1.zeros is None) == sym and (sym or torch.equal(g1.zeros, g2.zeros))
             assert r1 == r2

@@ -90,16 +90,46 @@ def _allocator_releasers() -> dict[str, Callable[[], None]]:
         tcmalloc_release.restype = None
         tcmalloc_release.argtypes = []
         found["tcmalloc"] = tcmalloc_release
-    libc_name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        malloc_trim = ctypes.CDLL(libc_name).malloc_trim
-    except (OSError, AttributeError):
-        malloc_trim = None  # not glibc (e.g. musl): nothing to trim there
+    # not glibc (e.g. musl): nothing to trim there
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
     if malloc_trim is not None:
         malloc_trim.restype = ctypes.c_int
         malloc_trim.argtypes = [ctypes.c_size_t]
         found["glibc"] = functools.partial(malloc_trim, 0)
     return found
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def pin_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc malloc's mmap threshold at ``nbytes`` for the rest of the process.
+
+    By default glibc raises the threshold (up to 32 MiB) each time a memory-mapped block is freed,
+    so that repeated large allocations move onto the heap. A long run of identical steps then
+    fragments the heap: its size grows while the bytes in use stay constant, and a step's freed
+    blocks stay resident until the next ``malloc_trim``. Pinning the threshold turns off that
+    adjustment: blocks of ``nbytes`` and more are mapped and unmapped on their own. Returns
+    whether it was applied: not where the allocator is not glibc, nor where the user set
+    ``MALLOC_MMAP_THRESHOLD_`` (theirs wins)."""
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.restype = ctypes.c_int
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def release_free_memory(stage: str) -> ReleaseReport:

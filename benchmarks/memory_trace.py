@@ -1,0 +1,170 @@
+"""Where does the peak come from? A diagnostic trace of one ``cpu-quant gptq`` run, in-process.
+
+``python -m benchmarks.memory_trace --depth 4 [--samples 8] [--seqlen 512] [--batch-size 8]
+[--interval 0.02] [--workdir DIR] [--out DIR]``
+
+Runs the quantizer through its API (``quantize_checkpoint``) on the memory suite's synthetic model
+at ``--depth`` times the demo model's 30 layers, with the memory suite's settings, while a sampler
+thread reads this process's ``RssAnon`` every ``--interval`` seconds. Each time a new maximum is
+seen, it records the Python stack of every thread (innermost frames last) and glibc's
+``mallinfo2`` (bytes in use on the heaps, free on the heaps, and in direct mmaps). It also records
+``RssAnon`` and ``mallinfo2`` after every completed layer.
+
+This is a diagnostic, not a benchmark: one run, no arms, no passes. Its output
+(``benchmarks/results/memory-trace-<depth>x-<UTC>.json``) says which code the peak happens in,
+so that a fix can be aimed; the memory suite then measures the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from . import provenance
+from .peers import gptqmodel_env
+from .suites.memory import REAL, synthetic_model
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                 "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Tracer:
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.t0 = time.perf_counter()
+        self.peak = 0
+        self.peaks: list[dict] = []
+        self.series: list[tuple[float, int]] = []
+        self.layers: list[dict] = []
+        self._mi = _mallinfo2()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def malloc(self) -> dict | None:
+        if self._mi is None:
+            return None
+        m = self._mi()
+        return {"heap_in_use": m.uordblks, "heap_free": m.fordblks, "heap_total": m.arena,
+                "mmapped": m.hblkhd, "mmapped_chunks": m.hblks}
+
+    def _stacks(self) -> dict:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        me = threading.get_ident()
+        out = {}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            frames = traceback.extract_stack(frame)[-8:]
+            out[names.get(ident, str(ident))] = [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                                  for f in frames]
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = rss_anon()
+            t = round(time.perf_counter() - self.t0, 3)
+            if not self.series or abs(now - self.series[-1][1]) >= (1 << 20):
+                self.series.append((t, now >> 20))
+            if now > self.peak:
+                rising = now - self.peak
+                self.peak = now
+                if rising >= (4 << 20) or not self.peaks:
+                    self.peaks.append({"t": t, "rss_anon_mib": now >> 20, "malloc": self.malloc(),
+                                       "stacks": self._stacks()})
+            self._stop.wait(self.interval)
+
+    def on_layer(self, i: int, n: int) -> None:
+        self.layers.append({"layer": i, "t": round(time.perf_counter() - self.t0, 3),
+                            "rss_anon_mib": rss_anon() >> 20, "malloc": self.malloc()})
+
+    def __enter__(self) -> Tracer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=REAL["samples"])
+    ap.add_argument("--seqlen", type=int, default=REAL["seqlen"])
+    ap.add_argument("--batch-size", type=int, default=REAL["batch_size"])
+    ap.add_argument("--interval", type=float, default=0.02)
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where the synthetic model and the artifact go (default: "
+                         "$XDG_CACHE_HOME/cpu-quant/bench-work/memory-trace)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+
+    from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
+    from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
+
+    if args.workdir is None:
+        args.workdir = gptqmodel_env._cache_root() / "bench-work" / "memory-trace"
+    layers = REAL["base_layers"] * args.depth
+    src = synthetic_model(args.workdir / "inputs" / f"depth-{args.depth}x", layers, smoke=False)
+    dst = args.workdir / f"trace-{args.depth}x"
+    settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
+                             batch_size=args.batch_size)
+    with Tracer(args.interval) as tracer:
+        report = quantize_checkpoint(src, dst, settings, GPTQLayout(), overwrite=True,
+                                     progress=False, on_layer=tracer.on_layer)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    result = {
+        "kind": "diagnostic trace (one run, not a benchmark: no arms, no passes)",
+        "what": "RssAnon of this process every interval; at each new maximum (rising >= 4 MiB) the "
+                "Python stacks of all threads and glibc mallinfo2; RssAnon and mallinfo2 after "
+                "every layer",
+        "command": " ".join(sys.argv),
+        "source": str(src), "layers": layers,
+        "interval_s": args.interval,
+        "total_seconds": report.total_seconds,
+        "malloc_mmap_threshold": report.provenance.get("malloc_mmap_threshold"),
+        "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "peak_rss_anon_mib": tracer.peak >> 20,
+        "peaks": tracer.peaks, "layers_after": tracer.layers, "rss_anon_mib_series": tracer.series,
+        "provenance": provenance.collect(vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"memory-trace-{args.depth}x-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    last = tracer.peaks[-1]
+    print(f"{path}: peak RssAnon {tracer.peak >> 20} MiB at {last['t']} s; MainThread at the peak:")
+    print("\n".join("  " + f for f in last["stacks"].get("MainThread", [])))
+    print(f"  malloc: {last['malloc']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
