@@ -9,10 +9,10 @@ layer's tensors as one shard. The head is quantized last, with the Hessian of th
 normed hidden state. Output goes through ``io.artifact.StagedOutput``: nothing appears at
 ``dst`` until the whole artifact is written.
 
-Memory: after every layer the allocator's free memory is handed back (``release_free_heap``),
-and at the start glibc's mmap threshold is pinned at ``MMAP_THRESHOLD`` for the rest of the
-process (unless ``MALLOC_MMAP_THRESHOLD_`` is set), so that peak memory does not grow with the
-number of layers (docs/reliability.md#memory).
+Memory: after every layer the allocator's free memory is handed back (``release_free_heap``).
+With ``offload_activations`` glibc's mmap threshold is also pinned at ``MMAP_THRESHOLD`` for
+the rest of the process (unless ``MALLOC_MMAP_THRESHOLD_`` is set), so that peak memory does
+not grow with the number of layers, at a cost in time (docs/reliability.md#memory).
 """
 
 from __future__ import annotations
@@ -391,7 +391,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     if Path(dst).exists() and not overwrite:  # fail before any work, not after it
         raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
     t_start = time.perf_counter()
-    mmap_pinned = pin_mmap_threshold(MMAP_THRESHOLD)
+    # only where the user traded time for memory: the pin costs time (see MMAP_THRESHOLD)
+    mmap_pinned = settings.offload_activations and pin_mmap_threshold(MMAP_THRESHOLD)
     ckpt = open_checkpoint(src)
     stream = LayerStream(ckpt)
     grid = GridSpec(symmetric=layout.symmetric, scale_search=settings.scale_search)
@@ -508,8 +509,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 # each, docs/reliability.md): with glibc's default moving threshold the heap grew by about 4 MB
 # per layer at a constant 171 MB in use (882 -> 1533 MB over 120 layers) and peak RssAnon
 # followed (640 MiB at 30 layers, 797 at 120); pinned at 4 MiB the heap stays at about 800 MB
-# and the per-layer RssAnon flat, for no measurable time. At 1 MiB the peak is lower still but
-# a 30-layer run takes 1.5x as long (page faults of the many 1-4 MiB temporaries).
+# and the per-layer RssAnon flat, for no measurable time with one calibration batch. At 1 MiB
+# the peak is lower still but a 30-layer run takes 1.5x as long (page faults of the many 1-4 MiB
+# temporaries). With the default 128 x 512 calibration tokens (16 batches) even 4 MiB costs time:
+# every batch's 25 MB forward temporaries are mapped and faulted in afresh (32 samples: 142 s
+# against 104 s, system time 45 s against 15 s). So the pin is part of --offload-activations,
+# the option that trades time for memory, not of the default.
 MMAP_THRESHOLD = 4 << 20
 
 
