@@ -27,6 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
+from cpu_quant.runtime_patches.memory import anon_rss_bytes
+
 from . import provenance
 from .peers import gptqmodel_env
 from .suites.memory import REAL, synthetic_model
@@ -49,11 +51,7 @@ def _mallinfo2():
 
 
 def rss_anon() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return anon_rss_bytes(tree=False)
 
 
 class Tracer:
@@ -126,6 +124,11 @@ def main() -> int:
                          "$XDG_CACHE_HOME/cpu-quant/bench-work/memory-trace)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
+    for name in ("depth", "samples", "seqlen", "batch_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 < args.interval <= 10:
+        ap.error("--interval must be in (0, 10] seconds")
 
     from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint

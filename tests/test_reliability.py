@@ -236,3 +236,16 @@ def test_pinned_mmap_threshold_keeps_large_blocks_off_the_heap(mode):
                          env=env, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ("True" if mode == "pin" else "False")
+
+
+@pytest.mark.parametrize("bad", [["--depth", "0"], ["--samples", "-1"], ["--interval", "0"],
+                                 ["--depth", "two"]])
+def test_memory_trace_rejects_bad_arguments_in_one_line(bad, tmp_path):
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory_trace", *bad, "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "error:" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
