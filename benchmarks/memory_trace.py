@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from cpu_quant.runtime_patches.memory import anon_rss_bytes
+from cpu_quant.runtime_patches.release_memory import _libc
 
 from . import provenance
 from .peers import gptqmodel_env
@@ -41,9 +42,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _mallinfo2():
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    fn = getattr(_libc(), "mallinfo2", None)  # glibc >= 2.33
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     fn.argtypes = []
