@@ -39,9 +39,10 @@ from .quantize import SuiteOptions, select
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
 MODEL_VERSION = 1
 REAL = {"base_layers": 30, "depths": (1, 2, 4), "samples": 8, "seqlen": 512, "batch_size": 8,
-        "group": 128, "calib_samples": 32}
+        "group": 128, "calib_samples": 32, "default_samples": 128, "mmap_thresholds_mib": (4, 16)}
 SMOKE = {"base_layers": 2, "depths": (1, 2, 4), "samples": 4, "seqlen": 64, "batch_size": 2,
-         "group": 128, "calib_samples": 8}
+         "group": 128, "calib_samples": 8, "default_samples": 16, "mmap_thresholds_mib": (4,)}
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc reads it at start: the same as mallopt(M_MMAP_THRESHOLD)
 TIMEOUT_REAL = 2 * 3600
 TIMEOUT_SMOKE = 600
 
@@ -85,14 +86,14 @@ def _bf16_bytes(model: Path) -> int:
 
 
 def quantize_arm(name: str, src: Path, samples: int, settings: dict, flags: list[str],
-                 timeout: float) -> Arm:
+                 timeout: float, env: dict[str, str] | None = None) -> Arm:
     def argv(dst: Path) -> list[str]:
         return [*CLI, "gptq", str(src), str(dst), "--group", str(settings["group"]),
                 "--samples", str(samples), "--seqlen", str(settings["seqlen"]),
                 "--batch-size", str(settings["batch_size"]), "--no-eval", "--overwrite", *flags]
 
     def command(ctx: PassContext) -> Command:
-        return Command(argv(ctx.workdir / "artifact"), timeout=timeout)
+        return Command(argv(ctx.workdir / "artifact"), env=dict(env or {}), timeout=timeout)
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
         report = json.loads((ctx.workdir / "artifact" / "quantization_report.json").read_text())
@@ -101,6 +102,9 @@ def quantize_arm(name: str, src: Path, samples: int, settings: dict, flags: list
                              f"{samples}x{settings['seqlen']}")
         if report["settings"]["offload_activations"] != ("--offload-activations" in flags):
             raise ValueError("--offload-activations did not reach the pipeline")
+        threshold = (env or {}).get(MMAP_ENV)
+        if threshold and report["provenance"].get("malloc_mmap_threshold") != int(threshold):
+            raise ValueError(f"{MMAP_ENV}={threshold} did not reach the quantizer")
         return {}
 
     def extras(ctx: PassContext, run: RunRecord) -> dict:
@@ -111,7 +115,7 @@ def quantize_arm(name: str, src: Path, samples: int, settings: dict, flags: list
     cfg = json.loads((src / "config.json").read_text())
     return Arm(name, {"source": str(src), "layers": cfg["num_hidden_layers"], "samples": samples,
                       "seqlen": settings["seqlen"], "batch_size": settings["batch_size"],
-                      "group": settings["group"], "flags": flags,
+                      "group": settings["group"], "flags": flags, "env": dict(env or {}),
                       "source_bf16_bytes": _bf16_bytes(src)},
                command, collect, artifacts=lambda ctx: {"artifact": ctx.workdir / "artifact"},
                extras=extras)
@@ -130,7 +134,16 @@ def build(opts: SuiteOptions) -> Suite:
     c = settings["calib_samples"]
     arms += [quantize_arm(f"calib-{c}", models[1], c, settings, [], timeout),
              quantize_arm(f"calib-{c}-offload", models[1], c, settings, offload, timeout)]
+    # the allocator arms: the default calibration size, glibc's moving mmap threshold against
+    # fixed ones (time is what they measure: a fixed threshold maps every large temporary anew)
+    d = settings["default_samples"]
+    arms += [quantize_arm(f"calib-{d}", models[1], d, settings, [], timeout)]
+    arms += [quantize_arm(f"calib-{d}-mmap-{m}m", models[1], d, settings, [], timeout,
+                          env={MMAP_ENV: str(m << 20)}) for m in settings["mmap_thresholds_mib"]]
     arms = select(arms, opts.arms)
+    names = [a.name for a in arms]
+    baseline = "depth-1x" if "depth-1x" in names else (f"calib-{d}" if f"calib-{d}" in names
+                                                       else None)
     return Suite(
         name="memory",
         description="Peak RssAnon (process tree) of cpu-quant gptq on synthetic models of the "
@@ -140,7 +153,7 @@ def build(opts: SuiteOptions) -> Suite:
         metrics=[PEAK_RSS_ANON, WALL_SECONDS, CPU_SECONDS],
         arms=arms,
         settings={k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
-        baseline="depth-1x" if any(a.name == "depth-1x" for a in arms) else None,
+        baseline=baseline,
         inputs={f"depth_{d}x_config": m / "config.json" for d, m in models.items()},
         notes=["Random weights with the demo model's shapes: memory and time do not depend on "
                "trained weights. Calibration: the built-in corpus."],

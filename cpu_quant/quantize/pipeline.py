@@ -397,7 +397,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     stream = LayerStream(ckpt)
     grid = GridSpec(symmetric=layout.symmetric, scale_search=settings.scale_search)
     report = QuantReport(settings=asdict(settings), layout=layout.name, provenance=provenance(src))
-    report.provenance["malloc_mmap_threshold"] = MMAP_THRESHOLD if mmap_pinned else None
+    report.provenance["malloc_mmap_threshold"] = (MMAP_THRESHOLD if mmap_pinned
+                                                  else _env_mmap_threshold())
     batches = [] if settings.data_free else calibration_batches(src, settings)
     report.calibration_tokens = sum(b.numel() for b in batches)
     fingerprint = run_fingerprint(ckpt, settings, layout.name, batches)
@@ -516,6 +517,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 # against 104 s, system time 45 s against 15 s). So the pin is part of --offload-activations,
 # the option that trades time for memory, not of the default.
 MMAP_THRESHOLD = 4 << 20
+
+
+def _env_mmap_threshold() -> int | None:
+    """The threshold a user fixed with ``MALLOC_MMAP_THRESHOLD_`` (glibc reads it at start)."""
+    text = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return int(text) if text.isdigit() else None
 
 
 def release_free_heap() -> None:
