@@ -2,7 +2,7 @@
 
     python -m benchmarks.tinygemm_bench [--models demo,qwen05b] [--passes N] [--smoke]
                                         [--decode-tokens N] [--out DIR] [--workdir DIR]
-                                        [--eager]
+                                        [--eager] [--llama-cpp TYPES]
     python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--out DIR]
 
 One harness suite per model (``benchmarks/harness.py``: arms interleaved with the order rotated
@@ -11,7 +11,14 @@ recorded, provenance with artifact sha256). Arms:
 
 ``bf16``      the source checkpoint (vLLM's unquantized CPU GEMM)
 ``gptq``      ``cpu-quant gptq`` layout, served by stock vLLM (``cpu_gemm_wna16`` here: no AMX)
+``gptq_tinygemm``  the ``gptq`` arm's checkpoint with the plugin's opt-in kernel
+              (``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``: symmetric GPTQ layers on tinygemm)
 ``cpu_int4``  ``cpu-quant tinygemm`` layout, served through the cpu_quant plugin (tinygemm)
+``llama.cpp-TYPE``  with ``--llama-cpp TYPE[,TYPE]`` (``q4_0``, ``q4_k_m``, ``q8_0``): the same
+              bf16 checkpoint converted to GGUF and quantized by llama.cpp itself, run by
+              llama-cpp-python 0.3.36 built for this CPU in a peer venv
+              (``benchmarks/peers/llama_cpp_env.py``; built on first use, minutes), measured the
+              same way (``benchmarks/peers/llama_cpp_pass.py``), every core as threads
 
 Models: ``demo`` (SmolLM2-135M; per-step overhead dominates) and ``qwen05b``: a random-init
 Qwen2 with Qwen2-0.5B's shapes (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab
@@ -33,7 +40,7 @@ and a 256 MiB KV cache, then measures:
 
 Each pass checks its knob (MEASURING.md rule 4): the engine's whole log (all processes) goes
 to ``pass.json.log``; the cpu_int4 arm must log the tinygemm layout line, the gptq arm vLLM's
-``CPUWNA16LinearKernel``.
+``Using CPUWNA16LinearKernel``, the gptq_tinygemm arm the plugin kernel's line.
 
 ``kernel`` (attribution, MEASURING.md rule 9): in one process, with every core, the time of one
 step's linear layers for each model's shapes, called one by one as the model calls them:
@@ -55,7 +62,10 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_quant.runtime_patches.gptq_tinygemm import KNOB_LINE as GPTQ_TINYGEMM_KNOB
+
 from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
+from .peers.gptqmodel_env import PeerInstallError
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,7 +82,12 @@ METRICS = [
 QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                max_position_embeddings=4096, tie_word_embeddings=True)
-KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout", "gptq": "CPUWNA16LinearKernel"}
+KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
+         "gptq": "Using CPUWNA16LinearKernel",
+         "gptq_tinygemm": GPTQ_TINYGEMM_KNOB}
+# arms that serve another arm's artifact with the plugin's opt-in kernel switched on
+SAME_ARTIFACT = {"gptq_tinygemm": "gptq"}
+ARM_ENV = {"gptq_tinygemm": {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "1"}}
 
 
 # -- one pass (its own process) -----------------------------------------------------------------
@@ -174,7 +189,7 @@ def _quantized(src: Path, dst: Path, layout) -> Path:
     return dst
 
 
-ARMS = ("bf16", "gptq", "cpu_int4")
+ARMS = ("bf16", "gptq", "gptq_tinygemm", "cpu_int4")
 
 
 def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str] = ARMS,
@@ -191,9 +206,13 @@ def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str]
     if src is None:
         src = demo_model_path() if model == "demo" else _random_qwen(workdir / "qwen05b-bf16")
     layouts = {"gptq": GPTQLayout, "cpu_int4": CpuInt4Layout}
-    return {arm: src if arm == "bf16" else
-            _quantized(src, workdir / f"{model}-{arm}-rtn", layouts[arm]())
-            for arm in ARMS if arm in arms}
+
+    def artifact(arm: str) -> Path:
+        arm = SAME_ARTIFACT.get(arm, arm)
+        return src if arm == "bf16" else _quantized(src, workdir / f"{model}-{arm}-rtn",
+                                                    layouts[arm]())
+
+    return {arm: artifact(arm) for arm in ARMS if arm in arms}
 
 
 # -- kernel attribution ---------------------------------------------------------------------------
@@ -230,8 +249,43 @@ def _median_ms(fn, reps: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
+def _wna16_layer(n: int, k: int, g: int):
+    """A layer holding random symmetric GPTQ weights [n, k], prepared by vLLM's own
+    ``CPUWNA16LinearKernel`` exactly as vLLM prepares a GPTQ layer on this CPU; returns
+    (kernel, layer), or None where vLLM cannot run it (no ``cpu_gemm_wna16`` in this build)."""
+    import torch
+    from vllm.model_executor.kernels.linear import CPUWNA16LinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+        MPLinearLayerConfig,
+    )
+    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+    from vllm.scalar_type import scalar_types
+
+    from cpu_quant.quantize.gptq_cpu_export import pack_gptq_qweight
+
+    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None
+    config = MPLinearLayerConfig(full_weight_shape=(k, n), partition_weight_shape=(k, n),
+                                 weight_type=scalar_types.uint4b8, act_type=torch.bfloat16,
+                                 group_size=g, zero_points=False)
+    layer = torch.nn.Module()
+    layer.bias = None
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    layer.register_parameter("qweight", PackedvLLMParameter(
+        data=pack_gptq_qweight(codes), input_dim=0, output_dim=1, packed_dim=0, packed_factor=8,
+        weight_loader=None))
+    layer.register_parameter("scales", GroupQuantScaleParameter(
+        data=torch.full((k // g, n), 0.01, dtype=torch.bfloat16), output_dim=1, input_dim=0,
+        weight_loader=None))
+    kernel = CPUWNA16LinearKernel(config, "qweight", "scales", None)
+    kernel.process_weights_after_loading(layer)
+    return kernel, layer
+
+
 def kernel_attribution(model: str, src: Path) -> dict:
-    """Median time of one decode step's linears (M = 1), tinygemm vs bf16, called in order."""
+    """Median time of one decode step's linears (M = 1) and of a prefill's (M = 512), called in
+    order: tinygemm (``cpu_int4``, and GPTQ with the opt-in plugin kernel) vs vLLM's
+    ``cpu_gemm_wna16`` (stock GPTQ) vs bf16."""
     import torch
     import torch.nn.functional as F
 
@@ -249,9 +303,11 @@ def kernel_attribution(model: str, src: Path) -> dict:
         sview.fill_(0.01)
         zview.fill_(0.001)
         unique[(name, n, k, g)] = (tp.torch_pack(codes), storage,
-                                   (torch.randn(n, k) * 0.02).to(torch.bfloat16))
+                                   (torch.randn(n, k) * 0.02).to(torch.bfloat16),
+                                   _wna16_layer(n, k, g))
+    arms = ("int4", "wna16", "bf16")
     per_module = []
-    for (name, n, k, g), (packed, storage, w) in unique.items():
+    for (name, n, k, g), (packed, storage, w, wna16) in unique.items():
         count = sum(1 for lin in linears if lin == (name, n, k, g))
         row = {"module": name, "n": n, "k": k, "group": g, "calls_per_step": count,
                "int4_bytes": n * k // 2 + 4 * n * (k // g), "bf16_bytes": 2 * n * k}
@@ -263,14 +319,15 @@ def kernel_attribution(model: str, src: Path) -> dict:
                 torch.ops.cpu_quant.int4pack_linear(xk, packed, storage, g), reps), 4)
             row[f"bf16_ms_m{rows}"] = round(_median_ms(lambda xk=xk, w=w: F.linear(xk, w),
                                                        reps), 4)
+            row[f"wna16_ms_m{rows}"] = None if wna16 is None else round(_median_ms(
+                lambda xk=xk, kl=wna16: kl[0].apply_weights(kl[1], xk), reps), 4)
         if name != "lm_head":  # the prefill computes logits for the last position only
             per_module.append(row)
         else:
-            per_module.append({**row, f"int4_ms_m{ROWS[-1]}": None,
-                               f"bf16_ms_m{ROWS[-1]}": None})
+            per_module.append({**row, **{f"{arm}_ms_m{ROWS[-1]}": None for arm in arms}})
     step = {f"{arm}_m{rows}": round(sum((m[f"{arm}_ms_m{rows}"] or 0.0) * m["calls_per_step"]
                                         for m in per_module), 3)
-            for arm in ("int4", "bf16") for rows in ROWS}
+            for arm in arms for rows in ROWS}
     return {"model": model, "torch_threads": torch.get_num_threads(), "rows": list(ROWS),
             "modules": per_module, "linears_ms_per_step": step}
 
@@ -315,7 +372,8 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
          prompt_len: int = PROMPT_LEN) -> Arm:
     def command(ctx: PassContext) -> Command:
         env = {"VLLM_CACHE_ROOT": str(ctx.workdir.parent.parent / f"vllm-cache-{name}"),
-               "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_LOGGING_LEVEL": "INFO"}
+               "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_LOGGING_LEVEL": "INFO",
+               **ARM_ENV.get(name, {})}
         argv = [sys.executable, "-m", "benchmarks.tinygemm_bench", "one-pass", str(path),
                 str(ctx.workdir / "pass.json"), str(decode_tokens), "--prompt-len",
                 str(prompt_len)] + (["--eager"] if eager else [])
@@ -341,17 +399,66 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
         return {"decode_all": data["decode_all"], "prefill_all": data["prefill_all"],
                 "omp_core_ids": data.get("omp_core_ids"), "loadavg_after": os.getloadavg()}
 
-    return Arm(name, {"model": str(path)}, command, collect, extras=extras)
+    return Arm(name, {"model": str(path), "env": ARM_ENV.get(name, {})}, command, collect,
+               extras=extras)
+
+
+def _llama_arm(gguf_type: str, path: Path, python: Path, decode_tokens: int,
+               prompt_len: int = PROMPT_LEN) -> Arm:
+    """llama.cpp serving ``path`` (a GGUF) through llama-cpp-python, measured the way
+    ``one_pass`` measures vLLM (``benchmarks/peers/llama_cpp_pass.py``)."""
+    from .peers.llama_cpp_env import PASS_SCRIPT
+
+    name = f"llama.cpp-{gguf_type}"
+
+    def command(ctx: PassContext) -> Command:
+        argv = [str(python), str(PASS_SCRIPT), str(path), str(ctx.workdir / "pass.json"),
+                str(decode_tokens), str(prompt_len)]
+        return Command(argv, cwd=str(REPO), timeout=PASS_TIMEOUT_S)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        data = json.loads((ctx.workdir / "pass.json").read_text())
+        for key, want in (("decode_tokens", decode_tokens), ("prompt_len", prompt_len),
+                          ("n_threads", len(os.sched_getaffinity(0)))):
+            if data.get(key) != want:
+                raise HarnessError(f"{name}: the pass ran with {key}={data.get(key)}, not {want}")
+        return {m.name: float(data[m.name]) for m in METRICS}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        data = json.loads((ctx.workdir / "pass.json").read_text())
+        return {"decode_all": data["decode_all"], "prefill_all": data["prefill_all"],
+                "system_info": data["system_info"], "loadavg_after": os.getloadavg()}
+
+    return Arm(name, {"model": str(path), "runtime": "llama-cpp-python", "gguf_type": gguf_type},
+               command, collect, extras=extras)
+
+
+def llama_arms(src: Path, workdir: Path, types: list[str], decode_tokens: int,
+               prompt_len: int = PROMPT_LEN) -> tuple[list[Arm], dict]:
+    """The llama.cpp arms for ``src`` (peer venv built when missing, GGUFs cached in
+    ``workdir``), and the peer's description for the result's notes."""
+    from .peers import llama_cpp_env
+
+    unknown = [t for t in types if t not in llama_cpp_env.FTYPES]
+    if unknown:  # before minutes of building
+        raise ValueError(f"unknown llama.cpp type(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(llama_cpp_env.FTYPES)}")
+    env = llama_cpp_env.install()
+    files = llama_cpp_env.gguf_files(env, src, workdir, types)
+    return ([_llama_arm(t, files[t], env.python, decode_tokens, prompt_len) for t in types],
+            env.describe())
 
 
 def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eager: bool,
-                name: str | None = None, prompt_len: int = PROMPT_LEN) -> Suite:
+                name: str | None = None, prompt_len: int = PROMPT_LEN,
+                extra_arms: list[Arm] | None = None) -> Suite:
     return Suite(
         name=name or f"tinygemm-{model}",
         description=(f"vLLM CPU decode (batch 1) and prefill ({prompt_len} tokens) speed and "
                      f"RssAnon, bf16 vs GPTQ vs cpu_int4, on {model}"),
         metrics=METRICS,
-        arms=[_arm(n, p, decode_tokens, eager, prompt_len) for n, p in artifacts.items()],
+        arms=[_arm(n, p, decode_tokens, eager, prompt_len) for n, p in artifacts.items()]
+        + list(extra_arms or []),
         baseline="bf16",
         settings={"model": model, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
                   "kv_cache_memory_bytes": KV_BYTES, "enforce_eager": eager,
@@ -379,10 +486,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
+    parser.add_argument("--llama-cpp", default="", metavar="TYPES",
+                        help="also measure llama.cpp (llama-cpp-python, built into a peer venv "
+                             "when missing) on the same model quantized to these GGUF types, "
+                             "e.g. q4_0,q4_k_m")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
+    from .peers.llama_cpp_env import FTYPES
+
+    bad = [t for t in args.llama_cpp.split(",") if t and t not in FTYPES]
+    if bad:  # before minutes of quantization
+        parser.error(f"unknown llama.cpp type(s) {', '.join(bad)}; known: {', '.join(FTYPES)}")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     root = Path(args.workdir or f"/tmp/cpu-quant-bench/tinygemm-{stamp}")
     failed = 0
@@ -393,9 +509,19 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         artifacts = build_artifacts(model, root)
         try:
-            result, path = run_suite(build_suite(model, artifacts, args.decode_tokens, args.eager),
-                                     passes, args.smoke, Path(args.out), workdir)
-        except HarnessError as exc:
+            extra, peer = [], None
+            if args.llama_cpp:
+                extra, peer = llama_arms(artifacts["bf16"], root / "gguf",
+                                         args.llama_cpp.split(","), args.decode_tokens)
+            suite = build_suite(model, artifacts, args.decode_tokens, args.eager, extra_arms=extra)
+            if peer:
+                suite.settings["llama_cpp_peer"] = peer
+                suite.notes.append("llama.cpp arms: the bf16 checkpoint converted by llama.cpp's "
+                                   "convert_hf_to_gguf.py and quantized by llama_model_quantize "
+                                   "(benchmarks/peers/llama_cpp_env.py); weights memory-mapped, "
+                                   "so RssAnon excludes them")
+            result, path = run_suite(suite, passes, args.smoke, Path(args.out), workdir)
+        except (HarnessError, ValueError, PeerInstallError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(f"{model}: {path}", file=sys.stderr)

@@ -301,12 +301,42 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     has_int4 = importlib.util.find_spec("cpu_quant.runtime_patches.cpu_int4") is not None
     assert status["cpu_int4"] == ("applied" if has_int4 else "absent")
     assert result["same"] and not result["double_wrapped"]
-    assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied"]
-    assert all("already" in o["reason"] for o in result["again"] if o["name"] != "release_memory")
+    # gptq_tinygemm is opt-in: off unless CPU_QUANT_PATCH_GPTQ_TINYGEMM=1
+    assert status["gptq_tinygemm"] == "off"
+    assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied", "off"]
+    assert all("already" in o["reason"] for o in result["again"]
+               if o["name"] not in ("release_memory", "gptq_tinygemm"))
     # one line per item, visible although vLLM has not configured its logger in this process
     log = proc.stdout + proc.stderr
     for name in names:
         assert len(re.findall(rf"cpu_quant patch {name}: ", log)) == 1, log[-3000:]
+
+
+def test_opt_in_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
+    code = textwrap.dedent("""
+        import json
+        import vllm.engine.arg_utils
+        from cpu_quant.runtime_patches import gptq_tinygemm, register
+        first = register()
+        again = gptq_tinygemm.apply()
+        from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS
+        from vllm.platforms import PlatformEnum
+        print("RESULT " + json.dumps({
+            "first": [o.__dict__ for o in first], "again": again.__dict__,
+            "cpu_kernels": [k.__name__ for k in _POSSIBLE_KERNELS[PlatformEnum.CPU]]}))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
+    env["CPU_QUANT_PATCH_GPTQ_TINYGEMM"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    status = {o["name"]: o["status"] for o in result["first"]}
+    assert status["gptq_tinygemm"] == "applied"
+    assert result["again"]["status"] == "applied" and "already" in result["again"]["reason"]
+    kernels = result["cpu_kernels"]
+    assert kernels.count("GptqTinygemmLinearKernel") == 1
+    assert kernels.index("GptqTinygemmLinearKernel") + 1 == kernels.index("CPUWNA16LinearKernel")
 
 
 # --- real engines -------------------------------------------------------------------------------

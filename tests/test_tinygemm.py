@@ -110,6 +110,40 @@ def test_kernel_and_prefill_path_match_the_dequantized_reference():
     assert rt.PATH_CALLS["dequantize"] - before["dequantize"] == 1
 
 
+def test_gptq_layers_repack_to_the_kernel_exactly():
+    """The opt-in GPTQ-on-tinygemm kernel (runtime_patches/gptq_tinygemm.py): a symmetric GPTQ
+    layer's qweight/scales become the bytes torch's own packer makes from the same codes, and
+    the kernel tensor dequantizes to exactly what vLLM's GPTQ reading ((q - 8) * s) gives.
+    Wider than one column chunk, so the chunk boundary is crossed."""
+    from cpu_quant.quantize.gptq_cpu_export import dequantize_gptq, pack_gptq_qweight
+    from cpu_quant.runtime_patches.gptq_tinygemm import COLUMN_CHUNK, gptq_to_kernel
+
+    n, k, group = COLUMN_CHUNK + 64, 128, 64
+    codes, scale, _ = _random_module(n, k, group, seed=5)
+    qweight, scales = pack_gptq_qweight(codes), scale.t().contiguous()  # [K/8, N], [K/g, N]
+    packed, storage = gptq_to_kernel(qweight, scales, group)
+    assert torch.equal(packed, tp.torch_pack(codes))
+    assert torch.equal(storage[..., 0], scales) and not storage[..., 1].any()
+    eights = torch.full((k // group, n // 8), 0x77777777, dtype=torch.int32)  # v1 zeros: 7 (+1)
+    reference = dequantize_gptq(qweight, eights, scales, None)
+    got = tp.dequantize_kernel_rows(packed, storage, group, 0, n)
+    assert torch.equal(got, reference.to(torch.bfloat16))
+
+
+def test_gptq_tinygemm_takes_only_what_it_computes_exactly():
+    from vllm.scalar_type import scalar_types
+
+    from cpu_quant.runtime_patches.gptq_tinygemm import gptq_tinygemm_problem
+
+    ok = dict(weight_type=scalar_types.uint4b8, zero_points=False, act_type=torch.bfloat16)
+    assert gptq_tinygemm_problem(576, 960, 64, **ok) is None
+    assert "uint4b8" in gptq_tinygemm_problem(576, 960, 64, **{**ok, "weight_type": scalar_types.uint4})
+    assert "zero points" in gptq_tinygemm_problem(576, 960, 64, **{**ok, "zero_points": True})
+    assert "bf16" in gptq_tinygemm_problem(576, 960, 64, **{**ok, "act_type": torch.float16})
+    assert "does not divide" in gptq_tinygemm_problem(576, 960, 128, **ok)
+    assert "multiple of 16" in gptq_tinygemm_problem(576, 968, 64, **ok)
+
+
 def test_batch_size_branch_does_not_guard_a_compiled_graph():
     """Compiled with dynamic shapes, one graph serves 1 row and 100 rows; the same branch
     written outside the op recompiles (the control shows the check can fail)."""

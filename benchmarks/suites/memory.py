@@ -16,6 +16,18 @@ Arms (interleaved by the harness, each pass a fresh process; baseline ``depth-1x
     the 1x model with ``--samples 32`` (4x the calibration activations), in memory and with
     ``--offload-activations``
 
+The allocator arms, measured only when named with ``--arms``:
+
+``calib-128``, ``calib-128-mmap-4m``, ``calib-128-mmap-16m``
+    the 1x model with the default job's calibration size (128 x 512), with glibc's moving mmap
+    threshold and with ``MALLOC_MMAP_THRESHOLD_`` fixing it at 4 and 16 MiB (baseline
+    ``calib-128`` when ``depth-1x`` is not selected): what a fixed threshold costs in time when
+    every calibration batch's large temporaries are mapped afresh
+    (``python -m benchmarks run memory --arms calib-128,calib-128-mmap-4m,calib-128-mmap-16m``)
+``depth-1x-mmap-4m`` ... ``depth-4x-mmap-16m``
+    the depth arms with the threshold fixed by ``MALLOC_MMAP_THRESHOLD_`` (the first
+    ``depth-1x*`` arm selected is the baseline)
+
 What the ratios should show: ``depth-2x`` and ``depth-4x`` at 1.0 within the spread (the driver
 holds one decoder layer, the calibration activations, and the embedding and head); ``calib-32``
 above 1.0 by the extra activations (24 x 512 x 576 bf16 = 13.5 MiB per copy, two copies while a
@@ -134,16 +146,22 @@ def build(opts: SuiteOptions) -> Suite:
     c = settings["calib_samples"]
     arms += [quantize_arm(f"calib-{c}", models[1], c, settings, [], timeout),
              quantize_arm(f"calib-{c}-offload", models[1], c, settings, offload, timeout)]
-    # the allocator arms: the default calibration size, glibc's moving mmap threshold against
+    default_selection = [a.name for a in arms]  # what a run without --arms measures
+    # the allocator arms (only with --arms): the default calibration size, glibc's moving
+    # mmap threshold against
     # fixed ones (time is what they measure: a fixed threshold maps every large temporary anew)
     d = settings["default_samples"]
     arms += [quantize_arm(f"calib-{d}", models[1], d, settings, [], timeout)]
     arms += [quantize_arm(f"calib-{d}-mmap-{m}m", models[1], d, settings, [], timeout,
                           env={MMAP_ENV: str(m << 20)}) for m in settings["mmap_thresholds_mib"]]
-    arms = select(arms, opts.arms)
+    # the depth arms again with a fixed threshold: does it keep the peak flat with depth?
+    arms += [quantize_arm(f"depth-{dd}x-mmap-{m}m", models[dd], s, settings, [], timeout,
+                          env={MMAP_ENV: str(m << 20)})
+             for m in settings["mmap_thresholds_mib"] for dd in settings["depths"]]
+    arms = select(arms, opts.arms or default_selection)
     names = [a.name for a in arms]
-    baseline = "depth-1x" if "depth-1x" in names else (f"calib-{d}" if f"calib-{d}" in names
-                                                       else None)
+    baseline = next((n for n in names if n == "depth-1x"), None) or next(
+        (n for n in names if n.startswith("depth-1x") or n == f"calib-{d}"), None)
     return Suite(
         name="memory",
         description="Peak RssAnon (process tree) of cpu-quant gptq on synthetic models of the "

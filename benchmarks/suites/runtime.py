@@ -16,6 +16,9 @@ Arms (baseline ``bf16``):
 ``bf16``      the demo model's checkpoint (vLLM's unquantized CPU GEMM)
 ``gptq``      ``cpu-quant``'s GPTQ layout, served by stock vLLM (its log must name
               ``CPUWNA16LinearKernel``)
+``gptq_tinygemm``  the ``gptq`` checkpoint with the plugin's opt-in kernel
+              (``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``: symmetric GPTQ layers on tinygemm; its log
+              must hold the kernel's line); not in the smoke run unless asked for
 ``cpu_int4``  ``cpu-quant``'s tinygemm layout, served through the cpu_quant plugin (its log must
               hold the tinygemm layout line)
 
@@ -26,7 +29,7 @@ depend on trained or calibrated weights, so what is measured is the layout and i
 
 **AVX-512.** vLLM's CPU GPTQ kernel exists only in its AVX-512 builds (see
 ``gptq_kernel_missing``): on a CPU without AVX-512 a real run refuses to start while ``gptq``
-is among its arms (``--arms bf16,cpu_int4`` measures the others), and a smoke run skips the arm
+is among its arms (``--arms bf16,gptq_tinygemm,cpu_int4`` measures the others), and a smoke run skips the arm
 and writes why into the result (``skipped_arms``).
 
 Smoke mode (CI): the quantize suite's 2-layer random Llama (hidden 64, the demo tokenizer)
@@ -72,11 +75,16 @@ def build(opts: SuiteOptions) -> Suite:
         raise ValueError(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(tb.ARMS)}")
     wanted = [a for a in tb.ARMS if not opts.arms or a in opts.arms]
     skipped = []
+    if opts.smoke and not opts.arms and "gptq_tinygemm" in wanted:
+        # the same engine path as cpu_int4's op with the gptq arm's checkpoint; its load and
+        # generation are tested (tests/test_gptq_end_to_end.py), so CI's smoke run saves the start
+        skipped.append(SkippedArm("gptq_tinygemm", "smoke: tested by test_gptq_end_to_end.py"))
+        wanted.remove("gptq_tinygemm")
     why = gptq_kernel_missing()
     if why and "gptq" in wanted:
         if not opts.smoke:  # only a smoke run may skip an arm: stop before any quantization
             raise ValueError(f"the gptq arm cannot run here: {why}; measure the other arms "
-                             "with --arms bf16,cpu_int4")
+                             "with --arms bf16,gptq_tinygemm,cpu_int4")
         skipped.append(SkippedArm("gptq", why))
         wanted.remove("gptq")
     src = source_model(opts)

@@ -40,7 +40,7 @@ __all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "register", "PATCH_M
 
 logger = logging.getLogger("vllm.cpu_quant")
 
-PATCH_MODULES: tuple[str, ...] = ("kv_budget", "release_memory", "aot_cache")
+PATCH_MODULES: tuple[str, ...] = ("kv_budget", "release_memory", "aot_cache", "gptq_tinygemm")
 CPU_INT4_MODULE = f"{__name__}.cpu_int4"
 CPU_INT4_SWITCH = "CPU_QUANT_PATCH_CPU_INT4"
 
