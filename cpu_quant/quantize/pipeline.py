@@ -10,9 +10,11 @@ normed hidden state. Output goes through ``io.artifact.StagedOutput``: nothing a
 ``dst`` until the whole artifact is written.
 
 Memory: after every layer the allocator's free memory is handed back (``release_free_heap``).
-With ``offload_activations`` glibc's mmap threshold is also pinned at ``MMAP_THRESHOLD`` for
-the rest of the process (unless ``MALLOC_MMAP_THRESHOLD_`` is set), so that peak memory does
-not grow with the number of layers, at a cost in time (docs/reliability.md#memory).
+glibc's mmap threshold is also pinned for the rest of the process (unless
+``MALLOC_MMAP_THRESHOLD_`` is set), so that peak memory does not grow with the number of
+layers: at ``MMAP_THRESHOLD`` (16 MiB, no measurable cost), or at ``MMAP_THRESHOLD_LOW``
+(4 MiB: a lower peak for more time) with ``offload_activations``, the option that trades time
+for memory (docs/reliability.md#memory).
 """
 
 from __future__ import annotations
@@ -391,13 +393,14 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     if Path(dst).exists() and not overwrite:  # fail before any work, not after it
         raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
     t_start = time.perf_counter()
-    # only where the user traded time for memory: the pin costs time (see MMAP_THRESHOLD)
-    mmap_pinned = settings.offload_activations and pin_mmap_threshold(MMAP_THRESHOLD)
+    # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
+    threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
+    mmap_pinned = pin_mmap_threshold(threshold)
     ckpt = open_checkpoint(src)
     stream = LayerStream(ckpt)
     grid = GridSpec(symmetric=layout.symmetric, scale_search=settings.scale_search)
     report = QuantReport(settings=asdict(settings), layout=layout.name, provenance=provenance(src))
-    report.provenance["malloc_mmap_threshold"] = (MMAP_THRESHOLD if mmap_pinned
+    report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
                                                   else _env_mmap_threshold())
     batches = [] if settings.data_free else calibration_batches(src, settings)
     report.calibration_tokens = sum(b.numel() for b in batches)
@@ -506,17 +509,19 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 
 
 # Blocks of this size and more are memory-mapped on their own (glibc), for the whole process.
-# Measured on synthetic models of the demo model's shapes (8 x 512 calibration tokens, one run
-# each, docs/reliability.md): with glibc's default moving threshold the heap grew by about 4 MB
-# per layer at a constant 171 MB in use (882 -> 1533 MB over 120 layers) and peak RssAnon
-# followed (640 MiB at 30 layers, 797 at 120); pinned at 4 MiB the heap stays at about 800 MB
-# and the per-layer RssAnon flat, for no measurable time with one calibration batch. At 1 MiB
-# the peak is lower still but a 30-layer run takes 1.5x as long (page faults of the many 1-4 MiB
-# temporaries). With the default 128 x 512 calibration tokens (16 batches) even 4 MiB costs time:
-# every batch's 25 MB forward temporaries are mapped and faulted in afresh (32 samples: 142 s
-# against 104 s, system time 45 s against 15 s). So the pin is part of --offload-activations,
-# the option that trades time for memory, not of the default.
-MMAP_THRESHOLD = 4 << 20
+# glibc's default threshold moves (up to 32 MiB) to the size of each freed mapped block; over a
+# long run of identical layers the heap then fragments: measured on synthetic models of the
+# demo model's shapes (8 x 512 calibration tokens, docs/reliability.md), its size grew by about
+# 4 MB per layer at a constant 171 MB in use, and peak RssAnon followed (640 MiB at 30 layers,
+# 797 at 120). A fixed threshold stops that. Its cost is in the blocks it maps afresh: at the
+# default 128 x 512 calibration, interleaved 3-pass run (memory-20261201T135055Z.json):
+#   moving (glibc default)  881 MiB peak, 282 s wall, 495 CPU-s
+#   fixed at 16 MiB         761 MiB (0.91x, no difference), 277 s (0.99x), 495 CPU-s (1.01x)
+#   fixed at 4 MiB          652 MiB (0.74x), 341 s (1.20x), 622 CPU-s (1.26x: page faults of
+#                           every batch's 4-16 MiB forward temporaries, mapped anew each time)
+# So 16 MiB by default, and 4 MiB with --offload-activations (time traded for memory).
+MMAP_THRESHOLD = 16 << 20
+MMAP_THRESHOLD_LOW = 4 << 20
 
 
 def _env_mmap_threshold() -> int | None:
