@@ -2,7 +2,7 @@
 
     python -m benchmarks.tinygemm_bench [--models demo,qwen05b] [--passes N] [--smoke]
                                         [--decode-tokens N] [--out DIR] [--workdir DIR]
-                                        [--eager] [--llama-cpp TYPES]
+                                        [--eager] [--arms A,B] [--llama-cpp TYPES]
     python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--out DIR]
 
 One harness suite per model (``benchmarks/harness.py``: arms interleaved with the order rotated
@@ -258,7 +258,6 @@ def _wna16_layer(n: int, k: int, g: int):
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
         MPLinearLayerConfig,
     )
-    from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
     from vllm.scalar_type import scalar_types
 
     from cpu_quant.quantize.gptq_cpu_export import pack_gptq_qweight
@@ -271,12 +270,15 @@ def _wna16_layer(n: int, k: int, g: int):
     layer = torch.nn.Module()
     layer.bias = None
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    layer.register_parameter("qweight", PackedvLLMParameter(
-        data=pack_gptq_qweight(codes), input_dim=0, output_dim=1, packed_dim=0, packed_factor=8,
-        weight_loader=None))
-    layer.register_parameter("scales", GroupQuantScaleParameter(
-        data=torch.full((k // g, n), 0.01, dtype=torch.bfloat16), output_dim=1, input_dim=0,
-        weight_loader=None))
+    # plain parameters with the attributes vLLM's loader would have given them (its parameter
+    # classes need a tensor-parallel group, which only an engine sets up)
+    qweight = torch.nn.Parameter(pack_gptq_qweight(codes), requires_grad=False)
+    qweight.input_dim, qweight.output_dim, qweight.packed_dim = 0, 1, 0
+    scales = torch.nn.Parameter(torch.full((k // g, n), 0.01, dtype=torch.bfloat16),
+                                requires_grad=False)
+    scales.input_dim, scales.output_dim = 0, 1
+    layer.register_parameter("qweight", qweight)
+    layer.register_parameter("scales", scales)
     kernel = CPUWNA16LinearKernel(config, "qweight", "scales", None)
     kernel.process_weights_after_loading(layer)
     return kernel, layer
@@ -459,7 +461,7 @@ def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eage
         metrics=METRICS,
         arms=[_arm(n, p, decode_tokens, eager, prompt_len) for n, p in artifacts.items()]
         + list(extra_arms or []),
-        baseline="bf16",
+        baseline="bf16" if "bf16" in artifacts else None,
         settings={"model": model, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
                   "kv_cache_memory_bytes": KV_BYTES, "enforce_eager": eager,
                   "VLLM_CPU_OMP_THREADS_BIND": omp_bind(),
@@ -486,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"vLLM arms to measure, comma-separated (default: all of {ARMS})")
     parser.add_argument("--llama-cpp", default="", metavar="TYPES",
                         help="also measure llama.cpp (llama-cpp-python, built into a peer venv "
                              "when missing) on the same model quantized to these GGUF types, "
@@ -499,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in args.llama_cpp.split(",") if t and t not in FTYPES]
     if bad:  # before minutes of quantization
         parser.error(f"unknown llama.cpp type(s) {', '.join(bad)}; known: {', '.join(FTYPES)}")
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - set(ARMS):
+        parser.error(f"--arms takes some of {', '.join(ARMS)}, got {args.arms!r}")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     root = Path(args.workdir or f"/tmp/cpu-quant-bench/tinygemm-{stamp}")
     failed = 0
@@ -507,12 +514,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown model {model!r} (demo, qwen05b)")
         workdir = root / model
         workdir.mkdir(parents=True, exist_ok=True)
-        artifacts = build_artifacts(model, root)
+        artifacts = build_artifacts(model, root, arms)
         try:
             extra, peer = [], None
             if args.llama_cpp:
-                extra, peer = llama_arms(artifacts["bf16"], root / "gguf",
-                                         args.llama_cpp.split(","), args.decode_tokens)
+                from cpu_quant.models.demo import demo_model_path
+
+                src = demo_model_path() if model == "demo" else root / "qwen05b-bf16"
+                extra, peer = llama_arms(src, root / "gguf", args.llama_cpp.split(","),
+                                         args.decode_tokens)
             suite = build_suite(model, artifacts, args.decode_tokens, args.eager, extra_arms=extra)
             if peer:
                 suite.settings["llama_cpp_peer"] = peer

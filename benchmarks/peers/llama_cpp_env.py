@@ -120,7 +120,8 @@ from pathlib import Path
 script = Path(sys.argv[1])
 sys.path[:0] = [str(script.parent), str(script.parent / "gguf-py")]
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: sys.argv[2]
+pre_tokenizer = sys.argv[2]
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre_tokenizer
 sys.argv = [str(script), *sys.argv[3:]]
 runpy.run_path(str(script), run_name="__main__")
 """
