@@ -112,29 +112,15 @@ def _check_no_cuda(python: Path) -> dict:
     return info
 
 
-def install(force: bool = False, log_path: Path | None = None) -> PeerEnv:
-    """Build the GPTQModel venv (several minutes, network to PyPI); idempotent."""
-    existing = ready_env()
-    if existing is not None and not force:
-        return existing
-    root = venv_dir()
+def build_staged(root: Path, build, log_path: Path) -> None:
+    """Build a peer venv in ``ROOT.partial`` with ``build(staging, log) -> versions`` and rename
+    it to ``root`` with a ``READY`` marker holding the versions; nothing half-built stays."""
     staging = root.with_name(root.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
-    log_path = log_path or root.with_name(root.name + ".install.log")
     with open(log_path, "w") as log:
         try:
-            _run([_base_python(), "-m", "venv", str(staging)], log)
-            py = str(venv_python(staging))
-            constraints = staging / "constraints.txt"
-            constraints.write_text("\n".join(_torch_constraint_lines()) + "\n")
-            pip = [py, "-m", "pip", "install", "--disable-pip-version-check",
-                   "-c", str(constraints)]
-            if Path("/opt/wheels").is_dir():
-                pip += ["--find-links", "/opt/wheels"]
-            _run(pip + [f"torch=={TORCH_PIN}"], log)
-            _run(pip + [f"gptqmodel=={GPTQMODEL_VERSION}", f"optimum=={OPTIMUM_VERSION}"], log)
-            versions = _check_no_cuda(venv_python(staging))
+            versions = build(staging, log)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -144,24 +130,51 @@ def install(force: bool = False, log_path: Path | None = None) -> PeerEnv:
     if root.exists():
         shutil.rmtree(root)
     os.replace(staging, root)
+
+
+def install(force: bool = False, log_path: Path | None = None) -> PeerEnv:
+    """Build the GPTQModel venv (several minutes, network to PyPI); idempotent."""
+    existing = ready_env()
+    if existing is not None and not force:
+        return existing
+    root = venv_dir()
+
+    def build(staging: Path, log) -> dict:
+        _run([_base_python(), "-m", "venv", str(staging)], log)
+        py = str(venv_python(staging))
+        constraints = staging / "constraints.txt"
+        constraints.write_text("\n".join(_torch_constraint_lines()) + "\n")
+        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraints)]
+        if Path("/opt/wheels").is_dir():
+            pip += ["--find-links", "/opt/wheels"]
+        _run(pip + [f"torch=={TORCH_PIN}"], log)
+        _run(pip + [f"gptqmodel=={GPTQMODEL_VERSION}", f"optimum=={OPTIMUM_VERSION}"], log)
+        return _check_no_cuda(venv_python(staging))
+
+    build_staged(root, build, log_path or root.with_name(root.name + ".install.log"))
     env = ready_env()
     assert env is not None
     return env
 
 
-def main() -> int:
+def peer_main(description: str, install_fn) -> int:
+    """``python -m benchmarks.peers.<peer>``: install (or report) the venv."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args()
     try:
-        env = install(force=args.force)
+        env = install_fn(force=args.force)
     except PeerInstallError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(env.describe(), indent=2))
     return 0
+
+
+def main() -> int:
+    return peer_main(__doc__.splitlines()[0], install)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-from .gptqmodel_env import PeerEnv, PeerInstallError, _base_python, _cache_root, _run
+from .gptqmodel_env import (
+    PeerEnv,
+    PeerInstallError,
+    _base_python,
+    _cache_root,
+    _run,
+    build_staged,
+    peer_main,
+)
 
 VERSION = "0.3.36"
 CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
@@ -75,40 +82,32 @@ def install(force: bool = False) -> PeerEnv:
     if existing is not None and not force:
         return existing
     root = venv_dir()
-    staging = root.with_name(root.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    root.parent.mkdir(parents=True, exist_ok=True)
     log_path = root.with_name(root.name + ".install.log")
-    with open(log_path, "w") as log:
-        try:
-            _run([_base_python(), "-m", "venv", str(staging)], log)
-            py = str(staging / "bin" / "python")
-            sdist_dir = staging / "sdist"
-            _run([py, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-                  "--no-binary", ":all:", "-d", str(sdist_dir), f"llama-cpp-python=={VERSION}"], log)
-            sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-            env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS,
-                   "CMAKE_BUILD_PARALLEL_LEVEL": str(len(os.sched_getaffinity(0)))}
-            cmd = [py, "-m", "pip", "install", "--disable-pip-version-check", str(sdist)]
-            print("+ " + " ".join(cmd), file=log, flush=True)
-            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode:
-                raise PeerInstallError(f"building llama-cpp-python {VERSION} failed; see {log_path}")
-            _unpack_converter(sdist, staging / "llama.cpp")
-            sdist.unlink()
-            out = subprocess.run([py, "-c", "import llama_cpp, json; print(json.dumps("
-                                  "{'llama_cpp_python': llama_cpp.__version__, "
-                                  "'system_info': llama_cpp.llama_print_system_info().decode()}))"],
-                                 capture_output=True, text=True)
-            if out.returncode:
-                raise PeerInstallError(f"llama_cpp does not import: {out.stderr.strip()[-300:]}")
-            versions = {**json.loads(out.stdout.strip().splitlines()[-1]), "cmake_args": CMAKE_ARGS}
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    (staging / "READY").write_text(json.dumps(versions, indent=2, sort_keys=True) + "\n")
-    if root.exists():
-        shutil.rmtree(root)
-    os.replace(staging, root)
+
+    def build(staging: Path, log) -> dict:
+        _run([_base_python(), "-m", "venv", str(staging)], log)
+        py = str(staging / "bin" / "python")
+        sdist_dir = staging / "sdist"
+        _run([py, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+              "--no-binary", ":all:", "-d", str(sdist_dir), f"llama-cpp-python=={VERSION}"], log)
+        sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS,
+               "CMAKE_BUILD_PARALLEL_LEVEL": str(len(os.sched_getaffinity(0)))}
+        cmd = [py, "-m", "pip", "install", "--disable-pip-version-check", str(sdist)]
+        print("+ " + " ".join(cmd), file=log, flush=True)
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode:
+            raise PeerInstallError(f"building llama-cpp-python {VERSION} failed; see {log_path}")
+        _unpack_converter(sdist, staging / "llama.cpp")
+        sdist.unlink()
+        out = subprocess.run([py, "-c", "import llama_cpp, json; print(json.dumps("
+                              "{'llama_cpp_python': llama_cpp.__version__, "
+                              "'system_info': llama_cpp.llama_print_system_info().decode()}))"],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise PeerInstallError(f"llama_cpp does not import: {out.stderr.strip()[-300:]}")
+        return {**json.loads(out.stdout.strip().splitlines()[-1]), "cmake_args": CMAKE_ARGS}
+
+    build_staged(root, build, log_path)
     env = ready_env()
     assert env is not None
     return env
@@ -178,18 +177,7 @@ def gguf_files(env: PeerEnv, src: Path, workdir: Path, types: list[str]) -> dict
 
 
 def main() -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if present")
-    args = parser.parse_args()
-    try:
-        env = install(force=args.force)
-    except PeerInstallError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(env.describe(), indent=2))
-    return 0
+    return peer_main(__doc__.splitlines()[0], install)
 
 
 if __name__ == "__main__":
