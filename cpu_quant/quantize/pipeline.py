@@ -11,10 +11,10 @@ normed hidden state. Output goes through ``io.artifact.StagedOutput``: nothing a
 
 Memory: after every layer the allocator's free memory is handed back (``release_free_heap``).
 glibc's mmap threshold is also pinned for the rest of the process (unless
-``MALLOC_MMAP_THRESHOLD_`` is set), so that peak memory does not grow with the number of
-layers: at ``MMAP_THRESHOLD`` (16 MiB, no measurable cost), or at ``MMAP_THRESHOLD_LOW``
-(4 MiB: a lower peak for more time) with ``offload_activations``, the option that trades time
-for memory (docs/reliability.md#memory).
+``MALLOC_MMAP_THRESHOLD_`` is set), against the heap fragmentation that made the peak grow with
+the number of layers: at ``MMAP_THRESHOLD`` (16 MiB: no measurable cost, most of the growth
+gone), or at ``MMAP_THRESHOLD_LOW`` (4 MiB: flat with depth and a lower peak, for more time)
+with ``offload_activations``, the option that trades time for memory (docs/reliability.md#memory).
 """
 
 from __future__ import annotations
@@ -519,7 +519,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 #   fixed at 16 MiB         761 MiB (0.91x, no difference), 277 s (0.99x), 495 CPU-s (1.01x)
 #   fixed at 4 MiB          652 MiB (0.74x), 341 s (1.20x), 622 CPU-s (1.26x: page faults of
 #                           every batch's 4-16 MiB forward temporaries, mapped anew each time)
-# So 16 MiB by default, and 4 MiB with --offload-activations (time traded for memory).
+# So 16 MiB by default, and 4 MiB with --offload-activations (time traded for memory). Against
+# depth (8 x 512, memory-20261201T152007Z.json / memory-20261201T105533Z.json): 16 MiB leaves
+# 1.13x at 4x the layers (glibc's moving threshold: 1.36x), 4 MiB is flat (1.04x).
 MMAP_THRESHOLD = 16 << 20
 MMAP_THRESHOLD_LOW = 4 << 20
 
