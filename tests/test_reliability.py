@@ -249,3 +249,15 @@ def test_memory_trace_rejects_bad_arguments_in_one_line(bad, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error:" in out.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", [["--arms", "bf16,nope"], ["--llama-cpp", "q5"], ["--arms", ""]])
+def test_tinygemm_bench_rejects_bad_arguments_before_any_work(bad, tmp_path):
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.tinygemm_bench", *bad, "--workdir",
+                          str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "error:" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
