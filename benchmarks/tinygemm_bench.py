@@ -441,11 +441,7 @@ def llama_arms(src: Path, workdir: Path, types: list[str], decode_tokens: int,
     ``workdir``), and the peer's description for the result's notes."""
     from .peers import llama_cpp_env
 
-    unknown = [t for t in types if t not in llama_cpp_env.FTYPES]
-    if unknown:  # before minutes of building
-        raise ValueError(f"unknown llama.cpp type(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(llama_cpp_env.FTYPES)}")
-    env = llama_cpp_env.install()
+    env = llama_cpp_env.install()  # main() has checked the types before any work
     files = llama_cpp_env.gguf_files(env, src, workdir, types)
     return ([_llama_arm(t, files[t], env.python, decode_tokens, prompt_len) for t in types],
             env.describe())

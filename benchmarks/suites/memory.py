@@ -160,7 +160,7 @@ def build(opts: SuiteOptions) -> Suite:
              for m in settings["mmap_thresholds_mib"] for dd in settings["depths"]]
     arms = select(arms, opts.arms or default_selection)
     names = [a.name for a in arms]
-    baseline = next((n for n in names if n == "depth-1x"), None) or next(
+    baseline = "depth-1x" if "depth-1x" in names else next(
         (n for n in names if n.startswith("depth-1x") or n == f"calib-{d}"), None)
     return Suite(
         name="memory",
