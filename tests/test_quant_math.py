@@ -161,3 +161,19 @@ def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
             assert torch.equal(g1.codes, g2.codes) and torch.equal(g1.scales, g2.scales)
             assert (g1.zeros is None) == sym and (sym or torch.equal(g1.zeros, g2.zeros))
             assert r1 == r2
+
+
+def test_gram_equals_the_full_product_and_is_symmetric():
+    """The Hessian's XᵀX from upper column blocks only: symmetric, and as close to the exact
+    (float64) product as a float32 GEMM, for widths that a block does and does not divide."""
+    from cpu_quant.quantize.pipeline import GRAM_BLOCK, gram
+
+    torch.manual_seed(0)
+    for k in (64, GRAM_BLOCK, GRAM_BLOCK + 1, 576, 1536):
+        x = torch.randn(300, k).to(torch.bfloat16).to(torch.float32)
+        got = gram(x)
+        exact = x.double().t() @ x.double()
+        assert torch.equal(got, got.t()), k
+        assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, k
+        # a wrong block placement would be far off, not a rounding error away
+        assert torch.allclose(got, x.t() @ x, rtol=1e-4, atol=1e-3), k

@@ -119,6 +119,7 @@ class LayerStream:
         self._check_tensor_names()
         self._load_outer()
         self.calls: list[list[LayerCall]] = []  # [layer][batch]
+        self._meta: dict[int, dict] = {}
 
     # -- checkpoint <-> model agreement -----------------------------------------------------
     def _check_tensor_names(self) -> None:
@@ -198,12 +199,26 @@ class LayerStream:
         return [f"{self.layers_prefix}.{i}.{n}" for n, _ in self.layers[i].named_parameters()]
 
     def load_layer(self, i: int) -> nn.Module:
+        layer = self.layers[i]
+        # the empty (meta) parameters, put back as they are by unload_layer
+        self._meta[i] = {(mod, pname): p for mod in layer.modules()
+                         for pname, p in mod._parameters.items() if p is not None}
         for name in self.layer_param_names(i):
             self._set_param(name, self.ckpt.tensor(name, check_finite=True))
-        return self.layers[i]
+        return layer
 
     def unload_layer(self, i: int) -> None:
-        self.layers[i].to("meta")
+        """Return layer ``i``'s memory. Its original empty parameters go back in place rather
+        than new ones (``.to("meta")``): every new tensor object is a small allocation that
+        lives to the end of the run wherever malloc put it, often in the middle of the space
+        the next layer's large temporaries need; one layer after another, the heap then
+        fragments and the peak grows with depth."""
+        saved = self._meta.pop(i, None)
+        if saved is None:
+            self.layers[i].to("meta")
+            return
+        for (mod, pname), p in saved.items():
+            mod._parameters[pname] = p
 
     @torch.no_grad()
     def forward_layer(self, i: int, hidden: list[torch.Tensor]) -> Iterator[torch.Tensor]:
