@@ -125,6 +125,27 @@ def test_hessian_pass_stops_early_without_changing_the_hessians(tiny_model):
         assert torch.equal(early.hessian(name), full.hessian(name)), name
 
 
+@torch.no_grad()
+def test_unloading_a_layer_puts_its_own_empty_parameters_back(tiny_model):
+    """A layer loaded and unloaded (twice) holds the very parameter objects it started with,
+    all empty: no new tensor objects per layer, which would stay allocated for the rest of the
+    run wherever malloc put them and fragment the heap with depth (docs/reliability.md)."""
+    arch, path = tiny_model
+    stream = LayerStream(open_checkpoint(path))
+    layer = stream.layers[0]
+    before = {n: p for n, p in layer.named_parameters()}
+    assert all(p.is_meta for p in before.values())
+    for _ in range(2):
+        stream.load_layer(0)
+        loaded = dict(layer.named_parameters())
+        assert not any(p.is_meta for p in loaded.values()), arch
+        assert all(loaded[n] is not before[n] for n in before)
+        stream.unload_layer(0)
+        after = dict(layer.named_parameters())
+        assert after.keys() == before.keys()
+        assert all(after[n] is before[n] for n in before), arch
+
+
 def test_compute_dtype_follows_the_cpu_and_the_override(monkeypatch):
     from cpu_quant.errors import CpuQuantError
     from cpu_quant.quantize.streaming import compute_dtype
