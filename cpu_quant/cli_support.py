@@ -107,9 +107,11 @@ def quantize_options(fn):
                           "their own (16 MiB without this option): peak memory no longer grows "
                           "with --samples and is lower, at the cost of disk I/O and about 1.2x "
                           "the time; the artifact is identical."),
-        click.option("--act-order", is_flag=True,
-                     help="GPTQ column order by Hessian diagonal, with static groups "
-                          "(the saved layout keeps a trivial g_idx)."),
+        click.option("--act-order/--no-act-order", default=True, show_default=True,
+                     help="GPTQ sweeps the columns by decreasing Hessian diagonal, with the "
+                          "group scales searched before the sweep (static groups), so the saved "
+                          "layout keeps a trivial g_idx and desc_act false; --no-act-order "
+                          "sweeps in natural order (see docs/gptq.md)."),
         click.option("--damp", type=float, default=0.01, show_default=True,
                      help="GPTQ dampening, as a fraction of the Hessian's mean diagonal."),
         click.option("--no-scale-search", is_flag=True,

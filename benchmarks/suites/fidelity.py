@@ -12,8 +12,9 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 =========================  =======================================================================
 ``rtn``                    round-to-nearest, absmax scales, data-free (``--calib none``)
 ``rtn+search``             RTN with the weighted scale search (importance from calibration E[x²])
-``gptq``                   GPTQ, static scale search, head bf16
-``gptq+act-order``         GPTQ with act-order and static groups (``g_idx`` stays trivial)
+``gptq``                   GPTQ as cpu-quant runs it by default (act-order with static groups, so
+                           ``g_idx`` stays trivial), head bf16
+``gptq-natural-order``     GPTQ sweeping the columns in natural order (``--no-act-order``)
 ``gptq+head``              GPTQ with the output head quantized too (cpu-quant's default)
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
@@ -78,10 +79,10 @@ ARMS: tuple[FidelityArm, ...] = (
                 flags=("--method", "rtn", "--calib", "none", "--no-scale-search", NO_HEAD)),
     FidelityArm("rtn+search", "RTN + weighted scale search", "cpu-quant",
                 flags=("--method", "rtn", NO_HEAD)),
-    FidelityArm("gptq", "GPTQ (static scale search)", "cpu-quant",
+    FidelityArm("gptq", "GPTQ, act-order + static groups (the default)", "cpu-quant",
                 flags=("--method", "gptq", NO_HEAD)),
-    FidelityArm("gptq+act-order", "GPTQ, act-order + static groups", "cpu-quant",
-                flags=("--method", "gptq", "--act-order", NO_HEAD)),
+    FidelityArm("gptq-natural-order", "GPTQ, natural column order", "cpu-quant",
+                flags=("--method", "gptq", "--no-act-order", NO_HEAD)),
     FidelityArm("gptq+head", "GPTQ, output head quantized too", "cpu-quant",
                 flags=("--method", "gptq")),
     FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",

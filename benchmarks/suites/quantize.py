@@ -209,7 +209,7 @@ def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
         problems.append(f"head_quantized is {report['head_quantized']} with flags {flags}")
     if s["group_size"] != settings["group"]:
         problems.append(f"group {s['group_size']} != {settings['group']}")
-    if s["act_order"] != ("--act-order" in flags):
+    if s["act_order"] == ("--no-act-order" in flags):
         problems.append(f"act_order {s['act_order']} with flags {flags}")
     calib = flags[flags.index("--calib") + 1] if "--calib" in flags else settings["calib"]
     if str(s["calib"] or "austen") != calib:

@@ -9,10 +9,12 @@ accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQ
 * the column sweep is blocked with lazy batch updates; the block is a multiple of the group
   size so that a group never straddles two blocks and its scale search sees the fully updated
   columns;
-* groups: without act-order, each group's scale is searched when the sweep reaches it, on the
-  error-compensated weights. With act-order, the scales are searched on the original weights
-  before the sweep ("static groups"), so the column order changes nothing in the saved layout
-  and ``g_idx`` stays ``k // g`` (vLLM rejects ``desc_act``).
+* groups: with act-order (columns swept by decreasing Hessian diagonal; the CLI's default), the
+  scales are searched on the original weights before the sweep ("static groups"), so the column
+  order changes nothing in the saved layout and ``g_idx`` stays ``k // g`` (vLLM rejects
+  ``desc_act``); GPTQModel's default ``act_group_aware`` ordering keeps its layout plain the
+  same way. Without act-order, each group's scale is searched when the sweep reaches it, on the
+  error-compensated weights.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class QuantSettings:
     method: str = "gptq"
     group_size: int = 128
     scale_search: bool = True
-    act_order: bool = False
+    act_order: bool = True  # static groups: the saved layout is the same either way
     damp: float = 0.01
     quantize_head: bool = True
     head_group: int | None = None  # None: same rule as every other module
@@ -516,7 +516,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             default_group, head_plan.quantize, dynamic,
             {"damp_percent": settings.damp, "quantizer": ["cpu-quant", report.provenance["cpu_quant"]],
              "cpu_quant": {"method": settings.method, "scale_search": settings.scale_search,
-                           "act_order_static_groups": settings.act_order}})
+                           "act_order_static_groups": settings.act_order and settings.method == "gptq"}})
         out.write_json("config.json", config)
         out.copy_tokenizer_files(src)
         report.tensors = [TensorReport(**t) for t in state.tensors]
