@@ -28,6 +28,7 @@ from .grid import QMAX, QMIN, QZERO, GroupQuant, grouped, quantize_codes
 from .scale_search import absmax_scales, search_asymmetric_scales, search_symmetric_scales
 
 DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)
+SEARCH_CHUNK = 1 << 18  # weights per static-group scale search call (1 MiB of float32)
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,15 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
     scales = torch.zeros(n, n_groups)
     zeros = None if grid.symmetric else torch.zeros(n, n_groups)
     if act_order:  # static groups: searched once, on the original weights
-        s, z = fit_group(grouped(w, g), grouped(importance.reshape(1, k), g), grid)
-        scales = s.squeeze(-1)
-        if zeros is not None and z is not None:
-            zeros = z.squeeze(-1)
+        imp = grouped(importance.reshape(1, k), g)
+        # a few rows at a time: the search's temporaries are several copies of what it is
+        # given, and every row's result is the same whatever the chunk (row-wise math)
+        rows = max(1, SEARCH_CHUNK // k)
+        for r0 in range(0, n, rows):
+            s, z = fit_group(grouped(w[r0:r0 + rows], g), imp, grid)
+            scales[r0:r0 + rows] = s.squeeze(-1)
+            if zeros is not None and z is not None:
+                zeros[r0:r0 + rows] = z.squeeze(-1)
         perm = torch.argsort(importance, descending=True)
     else:
         perm = torch.arange(k)
