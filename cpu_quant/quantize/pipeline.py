@@ -546,8 +546,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 #   fixed at 4 MiB          652 MiB (0.74x), 341 s (1.20x), 622 CPU-s (1.26x: page faults of
 #                           every batch's 4-16 MiB forward temporaries, mapped anew each time)
 # So 16 MiB by default, and 4 MiB with --offload-activations (time traded for memory). Against
-# depth (8 x 512, memory-20261201T152007Z.json / memory-20261201T105533Z.json): 16 MiB leaves
-# 1.13x at 4x the layers (glibc's moving threshold: 1.36x), 4 MiB is flat (1.04x).
+# depth (8 x 512): glibc's moving threshold 1.36x at 4x the layers; 16 MiB 1.13x
+# (memory-20261201T152007Z.json) until LayerStream.unload_layer stopped making new parameter
+# objects every layer, then flat: 1.04x, no difference (memory-20261201T174651Z.json).
 MMAP_THRESHOLD = 16 << 20
 MMAP_THRESHOLD_LOW = 4 << 20
 
