@@ -200,9 +200,10 @@ class LayerStream:
 
     def load_layer(self, i: int) -> nn.Module:
         layer = self.layers[i]
-        # the empty (meta) parameters, put back as they are by unload_layer
-        self._meta[i] = {(mod, pname): p for mod in layer.modules()
-                         for pname, p in mod._parameters.items() if p is not None}
+        # the empty (meta) parameters, put back as they are by unload_layer (a second load
+        # before an unload keeps the first record: those are the empty ones)
+        self._meta.setdefault(i, {(mod, pname): p for mod in layer.modules()
+                                  for pname, p in mod._parameters.items() if p is not None})
         for name in self.layer_param_names(i):
             self._set_param(name, self.ckpt.tensor(name, check_finite=True))
         return layer
