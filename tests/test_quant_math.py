@@ -163,6 +163,38 @@ def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
             assert r1 == r2
 
 
+def test_jobs_sharing_a_hessian_are_stacked_and_equal_alone(monkeypatch):
+    """Linears that share a Hessian (q/k/v, gate/up) are quantized as one stacked matrix: one
+    column sweep for all, and each result equal, bit for bit, to the linear quantized alone."""
+    from cpu_quant.quantize import pipeline
+    from cpu_quant.quantize.gptq import weighted_snr_db
+    from cpu_quant.quantize.plan import plan_linear
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(512, 64, generator=gen) * torch.rand(64, generator=gen) * 3
+    shared = 2 * x.t() @ x / 512
+    y = torch.randn(512, 64, generator=gen)
+    own = 2 * y.t() @ y / 512
+    shapes = {"q": (48, shared), "k": (16, shared), "v": (16, shared), "o": (40, own)}
+    jobs = [pipeline._Job(torch.randn(n, 64, generator=gen).to(torch.bfloat16),
+                          plan_linear(name, 64, n, 32, False), h) for name, (n, h) in shapes.items()]
+    sweeps = []
+    real = pipeline._quantize_rows
+    monkeypatch.setattr(pipeline, "_quantize_rows",
+                        lambda w, *a: (sweeps.append(w.shape[0]), real(w, *a))[1])
+    for act_order in (True, False):
+        sweeps.clear()
+        settings = pipeline.QuantSettings(method="gptq", group_size=32, act_order=act_order)
+        got = pipeline.quantize_linears(jobs, settings, GridSpec())
+        assert sorted(sweeps) == [40, 80]  # q/k/v as one matrix, o alone
+        for job, (gq, rep) in zip(jobs, got, strict=True):
+            alone, _ = quantize_gptq(job.weight, job.hessian, 32, GridSpec(), act_order=act_order)
+            assert torch.equal(gq.codes, alone.codes) and torch.equal(gq.scales, alone.scales)
+            assert rep.name == job.plan.name and rep.shape == list(job.weight.shape)
+            want = weighted_snr_db(job.weight, alone.dequantize(), torch.diag(job.hessian))
+            assert abs(rep.weighted_snr_db - want) < 1e-3
+
+
 def test_gram_equals_the_full_product_and_is_symmetric():
     """The Hessian's XᵀX from upper column blocks only: symmetric, and as close to the exact
     (float64) product as a float32 GEMM, for widths that a block does and does not divide."""

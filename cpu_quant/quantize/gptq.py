@@ -87,22 +87,47 @@ def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
     raise ValueError(f"Hessian is not positive definite even with damping {damp * DAMP_STEPS[-1]:.2f}")
 
 
-def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, grid: GridSpec,
-                  *, act_order: bool = False, damp: float = 0.01, block_size: int = 128
-                  ) -> tuple[GroupQuant, GPTQStats]:
-    """GPTQ on the 4-bit group grid. weight [N, K] (any float dtype), hessian [K, K] float32."""
-    w = weight.to(torch.float32).clone()
+@dataclass
+class HessianPrep:
+    """What the sweep needs from a Hessian, whatever the weight: computed once per Hessian
+    (q/k/v share theirs, and a tall matrix is quantized a few rows at a time)."""
+
+    dead: torch.Tensor  # [K] bool: input channels that never fire
+    importance: torch.Tensor  # [K] the (fixed-up) Hessian diagonal
+    perm: torch.Tensor  # [K] sweep order
+    hinv: torch.Tensor  # [K, K] upper Cholesky factor of the damped inverse, permuted
+    damp: float
+    damp_raised: bool
+
+
+def prepare_hessian(hessian: torch.Tensor, *, act_order: bool, damp: float) -> HessianPrep:
     h = hessian.to(torch.float32).clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    importance = torch.diag(h).clone()
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(h.shape[0])
+    h = h[perm][:, perm]
+    hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
+    return HessianPrep(dead, importance, perm, hinv, used_damp, raised)
+
+
+def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, group_size: int,
+                  grid: GridSpec, *, act_order: bool = False, damp: float = 0.01,
+                  block_size: int = 128) -> tuple[GroupQuant, GPTQStats]:
+    """GPTQ on the 4-bit group grid. weight [N, K] (any float dtype), hessian [K, K] float32
+    (or its :func:`prepare_hessian`, made with the same ``act_order`` and ``damp``)."""
+    prep = hessian if isinstance(hessian, HessianPrep) else prepare_hessian(
+        hessian, act_order=act_order, damp=damp)
+    w = weight.to(torch.float32).clone()
     n, k = w.shape
     g = k if group_size == -1 else group_size
     if k % g:
         raise ValueError(f"group size {g} does not divide in-features {k}")
     n_groups = k // g
 
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    importance = torch.diag(h).clone()
+    w[:, prep.dead] = 0.0
+    importance, perm, hinv = prep.importance, prep.perm, prep.hinv
+    used_damp, raised = prep.damp, prep.damp_raised
 
     scales = torch.zeros(n, n_groups)
     zeros = None if grid.symmetric else torch.zeros(n, n_groups)
@@ -116,12 +141,7 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor, group_size: int, 
             scales[r0:r0 + rows] = s.squeeze(-1)
             if zeros is not None and z is not None:
                 zeros[r0:r0 + rows] = z.squeeze(-1)
-        perm = torch.argsort(importance, descending=True)
-    else:
-        perm = torch.arange(k)
     w = w[:, perm]
-    h = h[perm][:, perm]
-    hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
     group_of = torch.arange(k)[perm] // g  # group of each (permuted) column
 
     codes = torch.zeros(n, k, dtype=torch.uint8)

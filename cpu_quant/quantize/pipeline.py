@@ -19,6 +19,7 @@ with ``offload_activations``, the option that trades time for memory (docs/relia
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -42,9 +43,18 @@ from ..io.artifact import StagedOutput, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from ..runtime_patches.release_memory import allocator_releasers, pin_mmap_threshold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations
-from .gptq import GridSpec, quantize_gptq, quantize_rtn, snr_db, weighted_error_terms
+from .gptq import (
+    GridSpec,
+    HessianPrep,
+    prepare_hessian,
+    quantize_gptq,
+    quantize_rtn,
+    snr_db,
+    weighted_error_terms,
+)
 from .grid import GroupQuant
 from .plan import HEAD_NAME, LinearPlan, dynamic_overrides, plan_linear
+from .sequential import BatchStore, probe, run_true_sequential, signature
 from .streaming import LayerDone, LayerStream, compute_dtype
 
 METHODS = ("gptq", "rtn")
@@ -103,6 +113,10 @@ class QuantReport:
     bits_per_weight: float = 0.0
     bits_per_weight_on_disk: float = 0.0
     head_quantized: bool = False
+    true_sequential_layers: int = 0  # the others: two passes (sequential.py)
+    # summed over the layers: "quantize" (GPTQ/RTN and the scale search), "hessians" (XᵀX,
+    # true-sequential layers); the rest of layer_seconds is the layer's forward passes and I/O
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     fidelity: dict | None = None
     provenance: dict = field(default_factory=dict)
 
@@ -232,42 +246,71 @@ class _Job:
     hessian: torch.Tensor | None
 
 
-def _quantize_rows(w: torch.Tensor, job: _Job, settings: QuantSettings, grid: GridSpec):
-    g = job.plan.group_size
-    importance = None if job.hessian is None else torch.diag(job.hessian)
-    stats = None
-    if settings.method == "gptq" and job.hessian is not None:
-        part, stats = quantize_gptq(w, job.hessian, g, grid, act_order=settings.act_order,
-                                    damp=settings.damp)
-    else:
-        part = quantize_rtn(w, g, grid, importance)
-    signal, noise = weighted_error_terms(w, part.dequantize(), importance)
-    return part, stats, signal, noise
+def _quantize_rows(w: torch.Tensor, group_size: int, hessian: torch.Tensor | None,
+                   settings: QuantSettings, grid: GridSpec, prep: HessianPrep | None):
+    if prep is not None:
+        return quantize_gptq(w, prep, group_size, grid, act_order=settings.act_order)
+    importance = None if hessian is None else torch.diag(hessian)
+    return quantize_rtn(w, group_size, grid, importance), None
+
+
+def _rows(gq: GroupQuant, a: int, b: int) -> GroupQuant:
+    return GroupQuant(gq.codes[a:b], gq.scales[a:b], None if gq.zeros is None else gq.zeros[a:b],
+                      gq.group_size)
+
+
+def _cat(parts: list[GroupQuant]) -> GroupQuant:
+    if len(parts) == 1:
+        return parts[0]
+    return GroupQuant(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                      None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
+                      parts[0].group_size)
 
 
 def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
                      ) -> list[tuple[GroupQuant, TensorReport]]:
     """Quantize every job; results in the jobs' order, bit-identical to one job at a time.
 
-    GPTQ and the scale search treat every output row on its own, so a tall matrix (the output
-    head: 49152 rows on the demo model) is cut into row blocks; its float32 working copies
-    would otherwise set the run's peak memory. The sweep and the search are long chains of
-    small element-wise ops, which an intra-op thread pool slows down (measured on down_proj
-    [576 x 1536]: 0.45 s of CPU with one thread against 12 s with two, OpenMP barriers
-    spinning), so every op runs on one thread and the row blocks of all jobs are shared out,
-    largest first, to one worker thread per torch thread instead. The big matmuls (forward
-    passes, Hessians) keep every thread.
+    GPTQ and the scale search treat every output row on its own, which this uses three ways:
+
+    * jobs that share a Hessian (q/k/v, gate/up) and a group size are stacked into one matrix,
+      so the column sweep runs once for them. The sweep is a long chain of small ops whose cost
+      is mostly Python's dispatch (two threads hardly beat one there: measured 1.19 against
+      1.24 s for a demo-model layer's linears), so fewer, taller ops are the way to save time;
+    * a tall matrix (the output head: 49152 rows on the demo model) is cut into row blocks of
+      ROW_BLOCK; its float32 working copies would otherwise set the run's peak memory;
+    * the row blocks are shared out, largest first, to one worker thread per torch thread,
+      every op on one thread: an intra-op pool slows these ops down (down_proj [576 x 1536]:
+      0.45 s of CPU with one thread against 12 s with two, OpenMP barriers spinning). The big
+      matmuls (forward passes, Hessians) keep every thread.
     """
-    units = [(j, r0) for j, job in enumerate(jobs) for r0 in range(0, job.weight.shape[0], ROW_BLOCK)]
+    stacks: dict[tuple, list[int]] = {}
+    for j, job in enumerate(jobs):
+        key = (id(job.hessian), job.plan.group_size, job.weight.shape[1], job.weight.dtype)
+        stacks.setdefault(key, []).append(j)
+    stacked = [(members, jobs[members[0]], torch.cat([jobs[j].weight for j in members])
+                if len(members) > 1 else jobs[members[0]].weight) for members in stacks.values()]
+    units = [(s, r0) for s, (_, _, w) in enumerate(stacked) for r0 in range(0, w.shape[0], ROW_BLOCK)]
 
     def size(unit):
-        j, r0 = unit
-        rows, cols = jobs[j].weight.shape
+        s, r0 = unit
+        rows, cols = stacked[s][2].shape
         return min(ROW_BLOCK, rows - r0) * cols
 
+    # each distinct Hessian's Cholesky once, on every thread
+    preps: dict[int, HessianPrep] = {}
+    if settings.method == "gptq":
+        for _, lead, _ in stacked:
+            if lead.hessian is not None and id(lead.hessian) not in preps:
+                preps[id(lead.hessian)] = prepare_hessian(lead.hessian, act_order=settings.act_order,
+                                                          damp=settings.damp)
+
     def run(unit):
-        j, r0 = unit
-        return unit, _quantize_rows(jobs[j].weight[r0:r0 + ROW_BLOCK], jobs[j], settings, grid)
+        s, r0 = unit
+        _, lead, w = stacked[s]
+        prep = None if lead.hessian is None else preps.get(id(lead.hessian))
+        return unit, _quantize_rows(w[r0:r0 + ROW_BLOCK], lead.plan.group_size, lead.hessian,
+                                    settings, grid, prep)
 
     order = sorted(units, key=size, reverse=True)
     workers = max(1, min(torch.get_num_threads(), len(units)))
@@ -277,21 +320,23 @@ def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-quant") as pool:
                 results = dict(pool.map(run, order))
-    out = []
-    for j, job in enumerate(jobs):
-        blocks = [results[(j, r0)] for r0 in range(0, job.weight.shape[0], ROW_BLOCK)]
-        parts = [b[0] for b in blocks]
-        gq = parts[0] if len(parts) == 1 else GroupQuant(
-            torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-            None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
-            parts[0].group_size)
-        stats = [b[1] for b in blocks if b[1] is not None]
-        damp = stats[-1].damp if stats else None
-        raised = any(st.damp_raised for st in stats)
-        snr = snr_db(sum(b[2] for b in blocks), sum(b[3] for b in blocks))
-        out.append((gq, TensorReport(job.plan.name, list(job.weight.shape), job.plan.group_size,
-                                     round(snr, 3), damp, raised)))
-    return out
+    out: dict[int, tuple[GroupQuant, TensorReport]] = {}
+    for s, (members, lead, w) in enumerate(stacked):
+        blocks = [results[(s, r0)] for r0 in range(0, w.shape[0], ROW_BLOCK)]
+        gq = _cat([b[0] for b in blocks])
+        stats = blocks[-1][1]
+        importance = None if lead.hessian is None else torch.diag(lead.hessian)
+        a = 0
+        for j in members:
+            job = jobs[j]
+            b = a + job.weight.shape[0]
+            part = gq if len(members) == 1 else _rows(gq, a, b)
+            snr = snr_db(*weighted_error_terms(job.weight, part.dequantize(), importance))
+            out[j] = (part, TensorReport(job.plan.name, list(job.weight.shape), job.plan.group_size,
+                                         round(snr, 3), stats.damp if stats else None,
+                                         bool(stats and stats.damp_raised)))
+            a = b
+    return [out[j] for j in range(len(jobs))]
 
 
 def _git_sha() -> str | None:
@@ -337,6 +382,7 @@ def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor
 
 STATE_FILE = "cpu_quant_state.json"
 HIDDEN_FILE = "cpu_quant_hidden.safetensors"
+CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offloaded runs)
 
 
 @dataclass
@@ -359,6 +405,8 @@ class RunState:
     n_weights: int = 0
     bits_codes: float = 0.0
     bits_disk: float = 0.0
+    true_sequential_layers: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     def account(self, gq: GroupQuant, tensors: dict[str, torch.Tensor]) -> None:
         n, k = gq.codes.shape
@@ -453,6 +501,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             state.shards[fname] = sorted(tensors)
             state.total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
+        structures: dict = {}  # sequential.signature -> Structure or None
+
+        def new_store(name: str) -> BatchStore:
+            return BatchStore(out.path(CACHE_DIR) / name if offload else None)
+
         plans: list[LinearPlan] = []
         layer_bar = tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress,
                          initial=0)
@@ -466,12 +519,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 continue
             t0 = time.perf_counter()
             stream.load_layer(i)
-            tensors = _quantize_layer(stream, ckpt, i, linears, layer_plans, hidden, settings,
-                                      grid, layout, state)
+            tensors, outputs = _quantize_layer(stream, ckpt, i, linears, layer_plans, hidden,
+                                               settings, grid, layout, state, structures,
+                                               new_store)
             previous = hidden
-            if hidden:
-                hidden = (hidden.rewrite(stream.forward_layer(i, hidden)) if offload
-                          else list(stream.forward_layer(i, hidden)))
+            if outputs is not None:
+                hidden = hidden.rewrite(outputs) if offload else list(outputs)
+            shutil.rmtree(out.path(CACHE_DIR), ignore_errors=True)
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
             del tensors
@@ -527,6 +581,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         for name in (STATE_FILE, HIDDEN_FILE):
             out.path(name).unlink(missing_ok=True)
         shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
+        report.true_sequential_layers = state.true_sequential_layers
+        report.phase_seconds = state.phase_seconds
         out.write_json("quantization_report.json", asdict(report))
         final = out.commit()
     ckpt.close()
@@ -611,32 +667,72 @@ def _load_state(out: StagedOutput, fingerprint: str) -> RunState:
 
 
 def _quantize_layer(stream: LayerStream, ckpt, i: int, linears: dict[str, nn.Linear],
-                    layer_plans: dict[str, LinearPlan], hidden: list[torch.Tensor],
-                    settings: QuantSettings, grid: GridSpec, layout, state: RunState
-                    ) -> dict[str, torch.Tensor]:
-    """Hessians from one pass over the calibration activations, then every linear quantized
-    and replaced in place by its dequantized weights (for the pass that feeds the next layer)."""
-    acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
-    try:
-        stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
-    finally:
-        acc.close()
+                    layer_plans: dict[str, LinearPlan], hidden, settings: QuantSettings,
+                    grid: GridSpec, layout, state: RunState, structures: dict, new_store
+                    ) -> tuple[dict[str, torch.Tensor], Iterable[torch.Tensor] | None]:
+    """Quantize layer ``i``'s linears in place (dequantized weights, for the passes after)
+    and return its tensors for the artifact and its outputs (lazily; None without calibration).
+
+    True-sequential (``sequential.py``) where the layer's structure allows it; otherwise two
+    passes: Hessians from the original weights, every linear quantized, then the forward."""
     tensors: dict[str, torch.Tensor] = {}
-    names = [n for n in linears if layer_plans[n].quantize]
-    jobs = [_Job(linears[n].weight.data, layer_plans[n], acc.hessian(n) if n in acc.h else None)
-            for n in names]
-    for name, (gq, trep) in zip(names, quantize_linears(jobs, settings, grid), strict=True):
-        module = linears[name]
-        state.tensors.append(asdict(trep))
-        module_tensors = layout.module_tensors(name, gq)
-        state.account(gq, module_tensors)
-        tensors.update(module_tensors)
-        module.weight.data = gq.dequantize().to(module.weight.dtype)
+    prefix = f"{stream.layers_prefix}.{i}."
+
+    def timed(phase: str, fn: Callable) -> Callable:
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                state.phase_seconds[phase] = round(
+                    state.phase_seconds.get(phase, 0.0) + time.perf_counter() - t0, 3)
+        return run
+
+    @functools.partial(timed, "quantize")
+    def quantize(names: list[str], hessians: dict[str, torch.Tensor | None]) -> None:
+        names = [n for n in names if layer_plans[n].quantize]
+        jobs = [_Job(linears[n].weight.data, layer_plans[n], hessians.get(n)) for n in names]
+        for name, (gq, trep) in zip(names, quantize_linears(jobs, settings, grid), strict=True):
+            state.tensors.append(asdict(trep))
+            module_tensors = layout.module_tensors(name, gq)
+            state.account(gq, module_tensors)
+            tensors.update(module_tensors)
+            linears[name].weight.data = gq.dequantize().to(linears[name].weight.dtype)
+
+    layer = stream.layers[i]
+    structure = None
+    if hidden:
+        key = signature(layer)
+        if key not in structures:
+            first = next(iter(hidden))
+            structures[key] = probe(layer, lambda: stream.call_layer(i, 0, first))
+        structure = structures[key]
+    if structure is not None:
+        state.true_sequential_layers += 1
+
+        def quantize_group(rel: tuple[str, ...], hessian: torch.Tensor) -> None:
+            quantize([prefix + n for n in rel], {prefix + n: hessian for n in rel})
+
+        outputs = run_true_sequential(layer, structure, hidden,
+                                      lambda b, h: stream.call_layer(i, b, h),
+                                      quantize_group, new_store, timed("hessians", gram))
+    else:
+        acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
+        try:
+            stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
+        finally:
+            acc.close()
+        quantize(list(linears), {n: acc.hessian(n) for n in acc.h})
+        outputs = stream.forward_layer(i, hidden) if hidden else None
+    # the report lists a layer's tensors in module order, whatever order they were quantized in
+    order = {n: k for k, n in enumerate(linears)}
+    done = len([n for n in linears if layer_plans[n].quantize])
+    state.tensors[-done:] = sorted(state.tensors[-done:], key=lambda t: order[t["name"]]) if done else []
     quantized_params = {f"{n}.weight" for n, p in layer_plans.items() if p.quantize}
     for pname in stream.layer_param_names(i):
         if pname not in quantized_params:
             tensors[pname] = ckpt.tensor(pname).to(torch.bfloat16)
-    return tensors
+    return tensors, outputs
 
 
 def _quantize_outer(stream: LayerStream, ckpt, hidden: list[torch.Tensor], settings: QuantSettings,

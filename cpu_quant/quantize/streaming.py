@@ -230,6 +230,17 @@ class LayerStream:
             yield (out[0] if isinstance(out, tuple) else out).to(STORAGE_DTYPE)
 
     @torch.no_grad()
+    def call_layer(self, i: int, b: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``i`` on batch ``b``: its output (compute dtype), or None when a hook ended the
+        batch early (:class:`LayerDone`)."""
+        call = self.calls[i][b]
+        try:
+            out = self.layers[i](h.to(self.compute), *call.args, **call.kwargs)
+        except LayerDone:
+            return None
+        return out[0] if isinstance(out, tuple) else out
+
+    @torch.no_grad()
     def observe_layer(self, i: int, hidden, before_batch=None, after_full_batch=None) -> None:
         """Run layer ``i`` over every batch only for what its hooks see; a hook may end a batch
         early by raising :class:`LayerDone`. ``before_batch()`` is called before each batch,
