@@ -88,7 +88,8 @@ def test_staged_layer_equals_true_sequential_by_definition(stream_and_hidden, tm
             root = tmp_path / f"cache-{offload}"
             outputs = run_true_sequential(
                 layer, structure, hidden, lambda b, h: stream.call_layer(0, b, h), quantize_group,
-                lambda name, root=root, offload=offload: BatchStore(root / name if offload else None),
+                lambda name, rows, root=root, offload=offload: BatchStore(
+                    root / name if offload else None, rows),
                 gram)
             got_out = list(outputs)
             assert len(got_h) == len(want_h)

@@ -503,8 +503,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 
         structures: dict = {}  # sequential.signature -> Structure or None
 
-        def new_store(name: str) -> BatchStore:
-            return BatchStore(out.path(CACHE_DIR) / name if offload else None)
+        def new_store(name: str, rows: list[int] | None) -> BatchStore:
+            return BatchStore(out.path(CACHE_DIR) / name if offload else None, rows)
 
         plans: list[LinearPlan] = []
         layer_bar = tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress,
