@@ -331,7 +331,10 @@ def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
             job = jobs[j]
             b = a + job.weight.shape[0]
             part = gq if len(members) == 1 else _rows(gq, a, b)
-            snr = snr_db(*weighted_error_terms(job.weight, part.dequantize(), importance))
+            terms = [weighted_error_terms(job.weight[r:r + ROW_BLOCK],
+                                          _rows(part, r, r + ROW_BLOCK).dequantize(), importance)
+                     for r in range(0, job.weight.shape[0], ROW_BLOCK)]  # the head: in blocks
+            snr = snr_db(sum(t[0] for t in terms), sum(t[1] for t in terms))
             out[j] = (part, TensorReport(job.plan.name, list(job.weight.shape), job.plan.group_size,
                                          round(snr, 3), stats.damp if stats else None,
                                          bool(stats and stats.damp_raised)))
@@ -524,7 +527,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                                                new_store)
             previous = hidden
             if outputs is not None:
-                hidden = hidden.rewrite(outputs) if offload else list(outputs)
+                hidden = hidden.rewrite(outputs) if offload else in_one_slab(outputs, hidden)
             shutil.rmtree(out.path(CACHE_DIR), ignore_errors=True)
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
@@ -626,6 +629,24 @@ def release_free_heap() -> None:
         release()
 
 
+def in_one_slab(outputs: Iterable[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The next layer's activations as views of one tensor (shaped like ``like``, batch by
+    batch). One large block is mapped and unmapped as a whole; sixteen 4.7 MB blocks (the demo
+    model at 128 x 512) made between a layer's short-lived temporaries and kept to the next
+    layer fragmented the heap (docs/reliability.md#memory)."""
+    rows = [h.shape[:-1].numel() for h in like]
+    slab: torch.Tensor | None = None
+    views, start = [], 0
+    for h, n in zip(outputs, rows, strict=True):
+        if slab is None:
+            slab = torch.empty(sum(rows), h.shape[-1], dtype=h.dtype)
+        view = slab[start:start + n].view(h.shape)
+        view.copy_(h)
+        views.append(view)
+        start += n
+    return views
+
+
 def _restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool):
     """The activations entering layer ``completed``, as the interrupted run saved them (in
     memory or offloaded), in the form this run asked for."""
@@ -715,7 +736,8 @@ def _quantize_layer(stream: LayerStream, ckpt, i: int, linears: dict[str, nn.Lin
 
         outputs = run_true_sequential(layer, structure, hidden,
                                       lambda b, h: stream.call_layer(i, b, h),
-                                      quantize_group, new_store, timed("hessians", gram))
+                                      quantize_group, new_store, timed("hessians", gram),
+                                      release_free_heap)
     else:
         acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
         try:

@@ -199,12 +199,15 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                         call: Callable[[int, torch.Tensor], torch.Tensor | None],
                         quantize_group: Callable[[tuple[str, ...], torch.Tensor], None],
                         new_store: Callable[[str, list[int] | None], BatchStore],
-                        gram: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
+                        gram: Callable[[torch.Tensor], torch.Tensor],
+                        after_stage: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
     """Quantize ``layer`` group by group (``quantize_group(names, hessian)`` replaces their
     weights), then return the layer's outputs per batch (lazily, in ``STORAGE_DTYPE``).
 
     ``call(b, h)`` runs the layer on batch ``b`` and returns its output, or None when a hook
-    ended the batch (:class:`LayerDone`)."""
+    ended the batch (:class:`LayerDone`). ``after_stage()`` runs after each stage's pass over
+    the batches, when their temporaries are freed and the stores are at their fullest (the
+    pipeline hands the allocator's free memory back there)."""
     modules = dict(layer.named_modules())
     # rows per batch, for the in-memory stores' slabs (an offloaded run's stores are on disk)
     rows = [h.shape[:-1].numel() for h in hidden] if isinstance(hidden, list) else None
@@ -214,12 +217,14 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
     for names in structure.groups:
         block = tails.get(names[0])
         keep = new_store(block.child, rows) if block else None
-        acc: list = [None, 0]
+        width = modules[names[0]].in_features
+        # made before the batches' temporaries, not among them (a long-lived block there
+        # would fragment the heap)
+        acc: list = [torch.zeros(width, width), 0]
 
         def hook(module, args, keep=keep, acc=acc):
             x = args[0]
-            xtx = gram(x.reshape(-1, x.shape[-1]).to(torch.float32))
-            acc[0] = xtx if acc[0] is None else acc[0].add_(xtx)
+            acc[0].add_(gram(x.reshape(-1, x.shape[-1]).to(torch.float32)))
             acc[1] += x.numel() // x.shape[-1]
             if keep is not None:
                 keep.put(cur.b, x)
@@ -233,6 +238,8 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                 cur.b = b
                 if call(b, h) is not None:
                     raise RuntimeError(f"{names[0]} did not see this batch's input")
+        if after_stage is not None:
+            after_stage()
         quantize_group(names, 2.0 * acc[0] / max(acc[1], 1))
         if block is not None:  # the block's output, from its (now quantized) last linear
             tail = modules[block.tail]
