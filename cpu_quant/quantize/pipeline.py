@@ -736,8 +736,7 @@ def _quantize_layer(stream: LayerStream, ckpt, i: int, linears: dict[str, nn.Lin
 
         outputs = run_true_sequential(layer, structure, hidden,
                                       lambda b, h: stream.call_layer(i, b, h),
-                                      quantize_group, new_store, timed("hessians", gram),
-                                      release_free_heap)
+                                      quantize_group, new_store, timed("hessians", gram))
     else:
         acc = HessianAccumulator({n: m for n, m in linears.items() if layer_plans[n].quantize})
         try:

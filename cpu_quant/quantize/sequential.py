@@ -199,15 +199,12 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                         call: Callable[[int, torch.Tensor], torch.Tensor | None],
                         quantize_group: Callable[[tuple[str, ...], torch.Tensor], None],
                         new_store: Callable[[str, list[int] | None], BatchStore],
-                        gram: Callable[[torch.Tensor], torch.Tensor],
-                        after_stage: Callable[[], None] | None = None) -> Iterator[torch.Tensor]:
+                        gram: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
     """Quantize ``layer`` group by group (``quantize_group(names, hessian)`` replaces their
     weights), then return the layer's outputs per batch (lazily, in ``STORAGE_DTYPE``).
 
     ``call(b, h)`` runs the layer on batch ``b`` and returns its output, or None when a hook
-    ended the batch (:class:`LayerDone`). ``after_stage()`` runs after each stage's pass over
-    the batches, when their temporaries are freed and the stores are at their fullest (the
-    pipeline hands the allocator's free memory back there)."""
+    ended the batch (:class:`LayerDone`)."""
     modules = dict(layer.named_modules())
     # rows per batch, for the in-memory stores' slabs (an offloaded run's stores are on disk)
     rows = [h.shape[:-1].numel() for h in hidden] if isinstance(hidden, list) else None
@@ -238,8 +235,6 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                 cur.b = b
                 if call(b, h) is not None:
                     raise RuntimeError(f"{names[0]} did not see this batch's input")
-        if after_stage is not None:
-            after_stage()
         quantize_group(names, 2.0 * acc[0] / max(acc[1], 1))
         if block is not None:  # the block's output, from its (now quantized) last linear
             tail = modules[block.tail]
