@@ -1,8 +1,9 @@
 """Calibration activations between decoder layers, kept on disk (``--offload-activations``).
 
-By default the streaming driver holds every calibration batch's hidden state in memory: float32
-``samples x seqlen x hidden`` (128 x 512 x 576 x 4 B = 151 MB on the demo model, 1.07 GB at
-hidden 4096). ``DiskActivations`` holds them as one safetensors file per batch instead, so the
+By default the streaming driver holds every calibration batch's hidden state in memory: bf16
+``samples x seqlen x hidden`` (128 x 512 x 576 x 2 B = 75 MB on the demo model, 537 MB at
+hidden 4096), plus within a layer the true-sequential stores (``sequential.py``).
+``DiskActivations`` holds them as one safetensors file per batch instead, so the
 peak holds one batch (plus the layer's own work) and no longer grows with ``--samples``; the
 price is a write and two reads of every batch per layer.
 

@@ -496,6 +496,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         else:
             hidden = stream.capture(batches, into=DiskActivations(out.path(ACTIVATIONS_DIR), 0)
                                     if offload else [])
+        if isinstance(hidden, list):  # in memory: one slab, each layer's outputs written over it
+            hidden = one_slab(hidden)
         n_shards = stream.n_layers + 1
 
         def write_shard(index: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -527,7 +529,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                                                new_store)
             previous = hidden
             if outputs is not None:
-                hidden = hidden.rewrite(outputs) if offload else in_one_slab(outputs, hidden)
+                hidden = hidden.rewrite(outputs) if offload else in_place(outputs, hidden)
             shutil.rmtree(out.path(CACHE_DIR), ignore_errors=True)
             stream.unload_layer(i)
             write_shard(i + 1, tensors)
@@ -629,22 +631,31 @@ def release_free_heap() -> None:
         release()
 
 
-def in_one_slab(outputs: Iterable[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The next layer's activations as views of one tensor (shaped like ``like``, batch by
-    batch). One large block is mapped and unmapped as a whole; sixteen 4.7 MB blocks (the demo
-    model at 128 x 512) made between a layer's short-lived temporaries and kept to the next
-    layer fragmented the heap (docs/reliability.md#memory)."""
-    rows = [h.shape[:-1].numel() for h in like]
-    slab: torch.Tensor | None = None
+def one_slab(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same values as views of one tensor: one large block, mapped and unmapped whole.
+    Sixteen separate 4.7 MB blocks (the demo model's activations at 128 x 512), made among a
+    layer's short-lived temporaries and kept to the next layer, fragmented the heap
+    (docs/reliability.md#memory)."""
+    if not tensors:
+        return tensors
+    rows = [t.shape[:-1].numel() for t in tensors]
+    slab = torch.empty(sum(rows), tensors[0].shape[-1], dtype=tensors[0].dtype)
     views, start = [], 0
-    for h, n in zip(outputs, rows, strict=True):
-        if slab is None:
-            slab = torch.empty(sum(rows), h.shape[-1], dtype=h.dtype)
-        view = slab[start:start + n].view(h.shape)
-        view.copy_(h)
+    for t, n in zip(tensors, rows, strict=True):
+        view = slab[start:start + n].view(t.shape)
+        view.copy_(t)
         views.append(view)
         start += n
     return views
+
+
+def in_place(outputs: Iterable[torch.Tensor], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's outputs written over its inputs, batch by batch: each output is made after
+    its batch's input was last read (the passes go batch by batch), and the run's resume point
+    is the copy on disk, not this one. So the next layer's activations take no second copy."""
+    for b, out in enumerate(outputs):
+        hidden[b].copy_(out)
+    return hidden
 
 
 def _restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool):

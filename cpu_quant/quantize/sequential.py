@@ -18,7 +18,8 @@ forward in all, against two (Hessians from the original weights, then the forwar
 quantized ones). The result is bit for bit the layer's own forward with the quantized weights.
 
 Held per batch meanwhile, in the compute dtype: the attention's output (hidden size) and the
-MLP's down-projection input (intermediate size); on the demo model at 128 x 512 calibration
+MLP's down-projection input (intermediate size; ``down_proj`` is applied to it in the final
+pass); on the demo model at 128 x 512 calibration
 tokens in bf16, 75 MB and 201 MB, each store in one slab (:class:`BatchStore`). With
 ``--offload-activations`` they are kept on disk with the activations.
 
@@ -173,11 +174,14 @@ class _Current:
 
 
 @contextmanager
-def _replaced(layer: nn.Module, blocks: list[Block], stores: dict[str, BatchStore], cur: _Current):
-    """Every block in ``stores`` returns its stored output for the current batch, unrun."""
-    def make(block: Block, store: BatchStore):
+def _replaced(layer: nn.Module, blocks: list[Block], stores: dict, cur: _Current):
+    """Every block in ``stores`` returns its output for the current batch without running:
+    the stored output, or its last linear applied to the stored input."""
+    def make(block: Block, store: BatchStore, tail: nn.Module | None):
         def forward(*args, **kwargs):
             out = store.get(cur.b)
+            if tail is not None:
+                out = tail(out)
             return out if block.extra is None else (out,) + (None,) * block.extra
         return forward
 
@@ -186,7 +190,7 @@ def _replaced(layer: nn.Module, blocks: list[Block], stores: dict[str, BatchStor
         for block in blocks:
             if block.child in stores:
                 module = getattr(layer, block.child)
-                module.forward = make(block, stores[block.child])
+                module.forward = make(block, *stores[block.child])
                 patched.append(module)
         yield
     finally:
@@ -209,7 +213,7 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
     # rows per batch, for the in-memory stores' slabs (an offloaded run's stores are on disk)
     rows = [h.shape[:-1].numel() for h in hidden] if isinstance(hidden, list) else None
     tails = {b.tail: b for b in structure.blocks}
-    stores: dict[str, BatchStore] = {}
+    stores: dict[str, tuple[BatchStore, nn.Module | None]] = {}  # child -> (store, tail to apply)
     cur = _Current()
     for names in structure.groups:
         block = tails.get(names[0])
@@ -236,13 +240,20 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                 if call(b, h) is not None:
                     raise RuntimeError(f"{names[0]} did not see this batch's input")
         quantize_group(names, 2.0 * acc[0] / max(acc[1], 1))
-        if block is not None:  # the block's output, from its (now quantized) last linear
-            tail = modules[block.tail]
-            outs = new_store(block.child + "-out", rows)
-            for b in range(len(hidden)):  # type: ignore[arg-type]
-                outs.put(b, tail(keep.get(b)))
-            keep.clear()
-            stores[block.child] = outs
+        if block is None:
+            continue
+        # the block's output, from its (now quantized) last linear: computed once here when
+        # several passes follow; for the layer's last group only the final pass needs it, so
+        # it is computed there, batch by batch (no second store next to the first)
+        tail = modules[block.tail]
+        if names == structure.groups[-1]:
+            stores[block.child] = (keep, tail)
+            continue
+        outs = new_store(block.child + "-out", rows)
+        for b in range(len(hidden)):  # type: ignore[arg-type]
+            outs.put(b, tail(keep.get(b)))
+        keep.clear()
+        stores[block.child] = (outs, None)
     return _final_pass(layer, structure, hidden, call, stores, cur)
 
 
@@ -251,5 +262,5 @@ def _final_pass(layer, structure, hidden, call, stores, cur) -> Iterator[torch.T
         for b, h in enumerate(hidden):
             cur.b = b
             yield call(b, h).to(STORAGE_DTYPE)
-        for store in stores.values():
+        for store, _ in stores.values():
             store.clear()
