@@ -131,3 +131,34 @@ def test_probe_declines_a_block_whose_output_is_not_its_last_linear(stream_and_h
         assert probe(layer, lambda: stream.call_layer(0, 0, hidden[0])) is not None, arch
     finally:
         stream.unload_layer(0)
+
+
+FEEDS = {"gemma2": ("input_layernorm", "pre_feedforward_layernorm"),
+         "gemma3": ("input_layernorm", "pre_feedforward_layernorm")}
+
+
+@torch.no_grad()
+def test_feeds_are_skipped_only_where_nothing_else_reads_them(stream_and_hidden):
+    """The norm in front of a stored block is skipped (its output would be thrown away), unless
+    its output reaches the layer some other way: here, a hook adds it to the MLP's input, which
+    no identity check sees. The probe's replay must then keep the norm, not drop the layer."""
+    arch, stream, hidden = stream_and_hidden
+    layer = stream.load_layer(0)
+    try:
+        structure = probe(layer, lambda: stream.call_layer(0, 0, hidden[0]))
+        assert tuple(b.feed for b in structure.blocks) == FEEDS.get(
+            arch, ("input_layernorm", "post_attention_layernorm")), arch
+        norm = getattr(layer, structure.blocks[0].feed)
+        seen: list[torch.Tensor] = []
+        handles = [norm.register_forward_hook(lambda m, a, out: seen.append(out)),
+                   layer.mlp.register_forward_pre_hook(lambda m, a: (a[0] + seen[-1],))]
+        try:
+            guarded = probe(layer, lambda: stream.call_layer(0, 0, hidden[0]))
+        finally:
+            for h in handles:
+                h.remove()
+        assert guarded is not None, arch
+        assert [b.feed for b in guarded.blocks] == [None, None], arch
+        assert guarded.groups == structure.groups
+    finally:
+        stream.unload_layer(0)

@@ -16,8 +16,10 @@ than no search at all. Candidates:
   ``s* = Σ d w (q-8) / Σ d (q-8)²``, rounded to bf16, and the refit is iterated from the best.
 
 Every candidate's error is evaluated with the bf16 scale that will be stored, and the minimum
-is kept, so the result's weighted error is never above the absmax baseline's (a property the
-tests check over random and outlier-heavy groups).
+is kept; the winner is then checked once against the absmax baseline with the error computed
+directly (the closed form below loses a few ulps to cancellation), so the result's weighted
+error is never above the baseline's (a property the tests check over random and outlier-heavy
+groups).
 
 The asymmetric variant (for the tinygemm layout, ``w = (q-8) s + z``) searches over shrinking
 both ends of the range and refits ``(s, z)`` jointly by weighted least squares.
@@ -93,6 +95,19 @@ class _SymmetricSearch:
         self._keep(refit, self._err(refit, num, den))
 
 
+def _direct_error(w: torch.Tensor, d: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    return _weighted_error(w, d, quantize_codes(w, s, z), s, z).unsqueeze(-1)
+
+
+def _no_worse(w: torch.Tensor, d: torch.Tensor, best: torch.Tensor, baseline: torch.Tensor
+              ) -> torch.Tensor:
+    """The closed form cancels: for a group whose error is far below ``Σdw²`` two nearly tied
+    candidates can swap order in float32 (found by the property test: 73.6730 against the
+    baseline's 73.6729). The winner is checked against the baseline once, computed directly."""
+    return torch.where(_direct_error(w, d, best) <= _direct_error(w, d, baseline), best, baseline)
+
+
 def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
     """Best symmetric scale per group.
 
@@ -107,7 +122,7 @@ def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = N
             search.consider(round_scale(sign * extreme / div))
     for _ in range(REFIT_ROUNDS):
         search.consider(search.best_s)
-    return search.best_s
+    return _no_worse(w, search.d, search.best_s, absmax_scales(w))
 
 
 def weighted_error(w: torch.Tensor, scale: torch.Tensor, importance: torch.Tensor | None = None,
@@ -186,4 +201,6 @@ def search_asymmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = 
             search.consider(*_scale_zero_for_range(lo * f_lo, hi * f_hi))
     for _ in range(REFIT_ROUNDS):
         search.consider(search.best_s, search.best_z)
-    return search.best_s, search.best_z
+    s0, z0 = minmax_scales_zeros(w)
+    keep = _direct_error(w, search.d, search.best_s, search.best_z) <= _direct_error(w, search.d, s0, z0)
+    return torch.where(keep, search.best_s, s0), torch.where(keep, search.best_z, z0)

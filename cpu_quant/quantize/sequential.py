@@ -17,6 +17,13 @@ re-runs of the layer's code cost only the norms and residual adds around the blo
 forward in all, against two (Hessians from the original weights, then the forward with the
 quantized ones). The result is bit for bit the layer's own forward with the quantized weights.
 
+A stored block's *feed*, the child (the norm in front of it) whose output only that block reads,
+is skipped as well: four of a Llama layer's eight norm calls, each about six element-wise
+passes over the batch in float32. The probe replays the layer with the blocks returning their
+recorded outputs, the first one, then the first two (the stages' situations), and keeps the
+feeds only if the output is the same bit for bit, so a norm whose output some other code also
+reads is computed as before.
+
 Held per batch meanwhile, in the compute dtype: the attention's output (hidden size) and the
 MLP's down-projection input (intermediate size; ``down_proj`` is applied to it in the final
 pass); on the demo model at 128 x 512 calibration
@@ -46,6 +53,7 @@ class Block:
     child: str  # the layer's attribute, e.g. "self_attn"
     tail: str  # its last linear, relative to the layer, e.g. "self_attn.o_proj"
     extra: int | None  # output format: None = the tensor; k = a tuple of it and k Nones
+    feed: str | None = None  # a child (a norm) computing only this block's input, or None
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,16 @@ def probe(layer: nn.Module, run: Callable[[], object]) -> Structure | None:
             lambda mod, args, name=name: calls.append((name, args[0]))))
         handles.append(m.register_forward_hook(
             lambda mod, args, out, name=name: outputs.setdefault(name, []).append(out)))
+    inputs: dict[str, list[list[torch.Tensor]]] = {}  # child -> its calls' tensor arguments
     for name, child in layer.named_children():
         handles.append(child.register_forward_hook(
             lambda mod, args, out, name=name: outputs.setdefault("child:" + name, []).append(out)))
+        handles.append(child.register_forward_pre_hook(
+            lambda mod, args, kwargs, name=name: inputs.setdefault(name, []).append(
+                [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]),
+            with_kwargs=True))
     try:
-        run()
+        want = run()
     finally:
         for h in handles:
             h.remove()
@@ -110,7 +123,7 @@ def probe(layer: nn.Module, run: Callable[[], object]) -> Structure | None:
         tail = mine[-1]
         if outputs[tail][0] is not out or [tail] not in [g for g, _ in groups]:
             return None
-        blocks.append(Block(child, tail, extra))
+        blocks.append(Block(child, tail, extra, _feed(layer, child, outputs, inputs, linears)))
         covered.update(mine)
     # every linear inside a block, each block's linears whole groups in one run of calls
     if covered != set(names):
@@ -120,7 +133,47 @@ def probe(layer: nn.Module, run: Callable[[], object]) -> Structure | None:
         if idx != list(range(idx[0], idx[-1] + 1)) or any(
                 not n.startswith(block.child + ".") for i in idx for n in groups[i][0]):
             return None
-    return Structure(tuple(tuple(g) for g, _ in groups), tuple(blocks))
+    # The shortcut's premise, checked once per kind of layer: with the first k blocks returning
+    # what they returned here (the stages' situations, k = 1 .. all) and their feeds skipped,
+    # the layer's own code must give the same output bit for bit. A feed whose output is also
+    # used by code no hook sees (a residual taken after the norm, a later block's input
+    # computed from it) fails this and is not skipped.
+    recorded = {}
+    for b in blocks:
+        out = outputs["child:" + b.child][0]
+        recorded[b.child] = out[0] if isinstance(out, tuple) else out
+    with_feeds = tuple(blocks)
+    without = tuple(Block(b.child, b.tail, b.extra) for b in blocks)
+    for candidate in (with_feeds, without) if any(b.feed for b in blocks) else (without,):
+        if all(_same_output(layer, candidate[:k], recorded, run, want)
+               for k in range(1, len(candidate) + 1)):
+            return Structure(tuple(tuple(g) for g, _ in groups), candidate)
+    return None
+
+
+def _same_output(layer: nn.Module, blocks: tuple[Block, ...], recorded: dict, run, want) -> bool:
+    with _replaced(layer, list(blocks), recorded):
+        got = run()
+    return isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and torch.equal(got, want)
+
+
+def _feed(layer: nn.Module, child: str, outputs: dict, inputs: dict, linears: dict) -> str | None:
+    """The child whose single output is this block's input and nothing else's (by identity),
+    and that holds no linear: on Llama-like layers the norm in front of the block. Once the
+    block returns a stored output, computing its input is wasted work."""
+    block_inputs = inputs.get(child, [[]])[0]
+    for name, module in layer.named_children():
+        outs = outputs.get("child:" + name, [])
+        if name == child or len(outs) != 1 or not isinstance(outs[0], torch.Tensor):
+            continue
+        if any(isinstance(m, nn.Linear) for m in module.modules()):
+            continue
+        out = outs[0]
+        if not any(t is out for t in block_inputs):
+            continue
+        users = [n for n, calls in inputs.items() for call in calls for t in call if t is out]
+        return name if users == [child] else None
+    return None
 
 
 class BatchStore:
@@ -173,13 +226,19 @@ class _Current:
     b = 0
 
 
+def _skip(x, *args, **kwargs):
+    return x
+
+
 @contextmanager
-def _replaced(layer: nn.Module, blocks: list[Block], stores: dict, cur: _Current):
+def _replaced(layer: nn.Module, blocks: list[Block], stores: dict, cur: _Current | None = None):
     """Every block in ``stores`` returns its output for the current batch without running:
-    the stored output, or its last linear applied to the stored input."""
-    def make(block: Block, store: BatchStore, tail: nn.Module | None):
+    the stored output, or its last linear applied to the stored input (a plain tensor in
+    ``stores`` is returned as it is). The block's feed, whose output only the block would
+    read, returns its input instead of computing."""
+    def make(block: Block, store: BatchStore | torch.Tensor, tail: nn.Module | None = None):
         def forward(*args, **kwargs):
-            out = store.get(cur.b)
+            out = store if isinstance(store, torch.Tensor) else store.get(cur.b)
             if tail is not None:
                 out = tail(out)
             return out if block.extra is None else (out,) + (None,) * block.extra
@@ -190,8 +249,13 @@ def _replaced(layer: nn.Module, blocks: list[Block], stores: dict, cur: _Current
         for block in blocks:
             if block.child in stores:
                 module = getattr(layer, block.child)
-                module.forward = make(block, *stores[block.child])
+                entry = stores[block.child]
+                module.forward = make(block, *(entry if isinstance(entry, tuple) else (entry,)))
                 patched.append(module)
+                if block.feed is not None:
+                    feed = getattr(layer, block.feed)
+                    feed.forward = _skip
+                    patched.append(feed)
         yield
     finally:
         for module in patched:
