@@ -141,22 +141,6 @@ def test_damped_inverse_factor_matches_float64_textbook_route():
                               atol=1e-3)
 
 
-def test_static_search_gives_the_same_result_on_any_thread_count():
-    """quantize_linears hands a lone sweep's scale search every torch thread; the result must
-    not depend on it (several search chunks, both grids)."""
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(512, 256, generator=gen)
-    h = 2 * x.t() @ x / 512
-    w = torch.randn(1200, 256, generator=gen)  # 1200 x 256 weights: two search chunks
-    for grid in (GridSpec(), GridSpec(symmetric=False)):
-        one, _ = quantize_gptq(w, h, 64, grid, act_order=True, search_threads=1)
-        many, _ = quantize_gptq(w, h, 64, grid, act_order=True, search_threads=4)
-        assert torch.equal(one.codes, many.codes) and torch.equal(one.scales, many.scales)
-        assert (one.zeros is None) == (many.zeros is None)
-        if one.zeros is not None:
-            assert torch.equal(one.zeros, many.zeros)
-
-
 def test_groupquant_dequantize_formula():
     codes = torch.tensor([[0, 8, 15, 4]], dtype=torch.uint8)
     gq = GroupQuant(codes, torch.tensor([[0.5, -2.0]]), None, 2)

@@ -20,7 +20,6 @@ accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQ
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +29,6 @@ from .scale_search import absmax_scales, search_asymmetric_scales, search_symmet
 
 DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)
 SEARCH_CHUNK = 1 << 18  # weights per static-group scale search call (1 MiB of float32)
-
-
-@contextmanager
-def torch_threads(n: int):
-    """Run the block with ``n`` intra-op threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True)
@@ -137,15 +125,9 @@ def prepare_hessian(hessian: torch.Tensor, *, act_order: bool, damp: float) -> H
 
 def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, group_size: int,
                   grid: GridSpec, *, act_order: bool = False, damp: float = 0.01,
-                  block_size: int = 128, search_threads: int | None = None
-                  ) -> tuple[GroupQuant, GPTQStats]:
+                  block_size: int = 128) -> tuple[GroupQuant, GPTQStats]:
     """GPTQ on the 4-bit group grid. weight [N, K] (any float dtype), hessian [K, K] float32
-    (or its :func:`prepare_hessian`, made with the same ``act_order`` and ``damp``).
-
-    ``search_threads``: intra-op threads for the static-group scale search (act-order), whose
-    ops are large (a 1 MiB chunk each) and gain from a pool, where the sweep's small ops lose
-    (a caller running one sweep at a time gives it the threads it has; the result does not
-    depend on the count)."""
+    (or its :func:`prepare_hessian`, made with the same ``act_order`` and ``damp``)."""
     prep = hessian if isinstance(hessian, HessianPrep) else prepare_hessian(
         hessian, act_order=act_order, damp=damp)
     w = weight.to(torch.float32).clone()
@@ -166,12 +148,11 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
         # a few rows at a time: the search's temporaries are several copies of what it is
         # given, and every row's result is the same whatever the chunk (row-wise math)
         rows = max(1, SEARCH_CHUNK // k)
-        with torch_threads(search_threads) if search_threads else nullcontext():
-            for r0 in range(0, n, rows):
-                s, z = fit_group(grouped(w[r0:r0 + rows], g), imp, grid)
-                scales[r0:r0 + rows] = s.squeeze(-1)
-                if zeros is not None and z is not None:
-                    zeros[r0:r0 + rows] = z.squeeze(-1)
+        for r0 in range(0, n, rows):
+            s, z = fit_group(grouped(w[r0:r0 + rows], g), imp, grid)
+            scales[r0:r0 + rows] = s.squeeze(-1)
+            if zeros is not None and z is not None:
+                zeros[r0:r0 + rows] = z.squeeze(-1)
     w = w[:, perm]
     group_of = torch.arange(k)[perm] // g  # group of each (permuted) column
 

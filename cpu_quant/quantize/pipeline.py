@@ -50,7 +50,6 @@ from .gptq import (
     quantize_gptq,
     quantize_rtn,
     snr_db,
-    torch_threads,
     weighted_error_terms,
 )
 from .grid import GroupQuant
@@ -224,6 +223,17 @@ class HessianAccumulator:
         self._last = None
 
 
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` intra-op threads (see :func:`quantize_linears`)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 ROW_BLOCK = 4096  # output rows quantized at a time
 
 
@@ -237,11 +247,9 @@ class _Job:
 
 
 def _quantize_rows(w: torch.Tensor, group_size: int, hessian: torch.Tensor | None,
-                   settings: QuantSettings, grid: GridSpec, prep: HessianPrep | None,
-                   search_threads: int | None = None):
+                   settings: QuantSettings, grid: GridSpec, prep: HessianPrep | None):
     if prep is not None:
-        return quantize_gptq(w, prep, group_size, grid, act_order=settings.act_order,
-                             search_threads=search_threads)
+        return quantize_gptq(w, prep, group_size, grid, act_order=settings.act_order)
     importance = None if hessian is None else torch.diag(hessian)
     return quantize_rtn(w, group_size, grid, importance), None
 
@@ -274,9 +282,7 @@ def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
     * the row blocks are shared out, largest first, to one worker thread per torch thread,
       every op on one thread: an intra-op pool slows these ops down (down_proj [576 x 1536]:
       0.45 s of CPU with one thread against 12 s with two, OpenMP barriers spinning). The big
-      matmuls (forward passes, Hessians) keep every thread, and so does the static-group
-      scale search when one unit is all there is (a true-sequential stage's group), since
-      its ops are large and the other threads would idle.
+      matmuls (forward passes, Hessians) keep every thread.
     """
     stacks: dict[tuple, list[int]] = {}
     for j, job in enumerate(jobs):
@@ -299,21 +305,15 @@ def quantize_linears(jobs: list[_Job], settings: QuantSettings, grid: GridSpec
                 preps[id(lead.hessian)] = prepare_hessian(lead.hessian, act_order=settings.act_order,
                                                           damp=settings.damp)
 
-    order = sorted(units, key=size, reverse=True)
-    threads = torch.get_num_threads()
-    workers = max(1, min(threads, len(units)))
-    # one unit at a time (a true-sequential stage's group): the other threads would idle, so
-    # the static-group scale search, made of large ops, gets them (1.7x faster on two
-    # threads for gate/up's search; the sweep stays on one)
-    search_threads = threads if workers == 1 and threads > 1 else None
-
     def run(unit):
         s, r0 = unit
         _, lead, w = stacked[s]
         prep = None if lead.hessian is None else preps.get(id(lead.hessian))
         return unit, _quantize_rows(w[r0:r0 + ROW_BLOCK], lead.plan.group_size, lead.hessian,
-                                    settings, grid, prep, search_threads)
+                                    settings, grid, prep)
 
+    order = sorted(units, key=size, reverse=True)
+    workers = max(1, min(torch.get_num_threads(), len(units)))
     with torch_threads(1):
         if workers == 1:
             results = dict(map(run, order))
