@@ -100,6 +100,70 @@ def test_gptq_beats_rtn_on_output_error():
     assert out_err(gptq_act) < 0.8 * out_err(rtn)
 
 
+def _textbook_gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool,
+                   damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ as the paper writes it, in float64: one column at a time, no blocks, no lazy
+    updates, the inverse factor by inverse-then-Cholesky. Same grid, same scale search (static
+    groups with act-order, else searched when the sweep reaches the group). (codes, scales)."""
+    from cpu_quant.quantize.gptq import fit_group
+
+    n, k = w.shape
+    hh = h.double().clone()
+    dead = torch.diag(hh) == 0
+    hh[dead, dead] = 1.0
+    importance = torch.diag(hh).float()
+    ww = w.double().clone()
+    ww[:, dead] = 0.0
+    scales = torch.zeros(n, k // g, dtype=torch.float64)
+    if act_order:
+        s, _ = fit_group(ww.float().reshape(n, k // g, g), importance.reshape(1, k // g, g), GridSpec())
+        scales[:] = s.squeeze(-1).double()
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(k)
+    ww, hh = ww[:, perm], hh[perm][:, perm]
+    hh += damp * torch.diag(hh).mean() * torch.eye(k, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.linalg.inv(hh)).t()  # upper: UᵀU = H⁻¹
+    codes = torch.zeros(n, k, dtype=torch.int64)
+    for j in range(k):
+        col = int(perm[j])
+        grp = col // g
+        if not act_order and col % g == 0:
+            s, _ = fit_group(ww[:, j:j + g].float().unsqueeze(1), importance[col:col + g].reshape(1, 1, g),
+                             GridSpec())
+            scales[:, grp] = s.reshape(n).double()
+        sc = scales[:, grp]
+        a = torch.where(sc == 0, torch.zeros_like(sc), torch.round(ww[:, j] / sc)).clamp(-8, 7)
+        codes[:, col] = (a + 8).long()
+        e = (ww[:, j] - a * sc) / u[j, j]
+        ww[:, j:] -= torch.outer(e, u[j, j:])
+    return codes, scales.float()
+
+
+def test_gptq_matches_the_textbook_algorithm_in_float64():
+    """The blocked, lazy, transposed float32 sweep against the paper's column loop in float64:
+    nearly every code the same (the rest are rounding ties that float32 breaks the other way,
+    and their consequences), and the same output error tr(ΔW H ΔWᵀ) to within 1%."""
+    gen = torch.Generator().manual_seed(5)
+    k, g = 256, 32
+    x = _correlated_inputs(4096, k, seed=5) * (torch.rand(k, generator=gen) ** 3 * 10 + 0.1)
+    w = torch.randn(80, k, generator=gen) * 0.05
+    w[:4, :g] = 0.0  # all-zero groups: scale 0, code 8
+    x[:, 7] = 0.0  # an input channel that never fires
+    h = 2 * x.t() @ x / x.shape[0]
+    for act_order in (True, False):
+        gq, _ = quantize_gptq(w, h, g, GridSpec(), act_order=act_order, block_size=64)
+        codes, scales = _textbook_gptq(w, h, g, act_order)
+        same = (gq.codes.long() == codes).double().mean().item()
+        assert same > 0.99, (act_order, same)
+        assert torch.all(gq.codes[:4, :g] == 8)
+
+        def out_err(deq):
+            d = (w - deq).double()
+            return torch.trace(d @ h.double() @ d.t()).item()
+
+        ref = GroupQuant(codes.to(torch.uint8), scales, None, g).dequantize()
+        assert abs(out_err(gq.dequantize()) / out_err(ref) - 1) < 0.01, act_order
+
+
 def test_act_order_keeps_static_groups():
     gen = torch.Generator().manual_seed(2)
     x = _correlated_inputs(512, 64)
@@ -228,3 +292,29 @@ def test_gram_equals_the_full_product_and_is_symmetric():
         assert ((got.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5, k
         # a wrong block placement would be far off, not a rounding error away
         assert torch.allclose(got, x.t() @ x, rtol=1e-4, atol=1e-3), k
+
+
+def test_gram_of_bf16_rows_sums_rounded_slabs_without_bias():
+    """bf16 activations go through bf16 GEMMs, GRAM_ROWS rows at a time, each slab's product
+    rounded to bf16 once and summed in float32: symmetric, within the documented error of the
+    exact product, unbiased on the diagonal, and for one slab the exact product up to
+    that one rounding (plus float32 accumulation's own error)."""
+    from cpu_quant.quantize.pipeline import GRAM_ROWS, gram
+
+    torch.manual_seed(0)
+    for k in (64, 577, 1536):
+        # heavy-tailed channel magnitudes, as in real activations
+        spread = torch.rand(k).pow(3).mul(20).add(0.1)
+        x = (torch.randn(16 * GRAM_ROWS, k) * spread).to(torch.bfloat16)
+        got = gram(x)
+        exact = x.double().t() @ x.double()
+        assert got.dtype == torch.float32 and torch.equal(got, got.t()), k
+        err = got.double() - exact
+        assert (err.abs().max() / exact.abs().max()).item() < 1.5e-3, k
+        rel = err.diagonal() / exact.diagonal()
+        assert rel.abs().max().item() < 2e-3, k
+        assert abs(rel.mean().item()) < 2e-4, k  # round-to-nearest: no drift with more slabs
+        one = x[:GRAM_ROWS]
+        exact1 = one.double().t() @ one.double()
+        slack = 2 ** -8 * exact1.abs() + 1e-6 * exact1.abs().max()
+        assert ((gram(one).double() - exact1).abs() <= slack).all(), k

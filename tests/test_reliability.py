@@ -261,3 +261,43 @@ def test_tinygemm_bench_rejects_bad_arguments_before_any_work(bad, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error:" in out.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_resume_point_file_reads_back_through_safetensors(tmp_path):
+    """The resume point's writer (tensor memory straight to the file, no serialised copy) makes
+    a file that safetensors reads back exactly: dtypes, shapes, views, an empty tensor."""
+    from safetensors.torch import load_file
+
+    from cpu_quant.quantize.pipeline import write_safetensors
+
+    torch.manual_seed(0)
+    slab = torch.randn(6, 5, 7).to(torch.bfloat16)
+    tensors = {"batch.0": slab[:3], "batch.1": slab[3:], "odd": torch.randn(3, 7)[:, ::2],
+               "half": torch.randn(11).half(), "empty": torch.zeros(0, 4)}
+    path = tmp_path / "h.safetensors"
+    write_safetensors(path, tensors)
+    back = load_file(path)
+    assert sorted(back) == sorted(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_resume_point_raises_its_write_error_in_the_main_thread():
+    """A failed background write (a full disk) is raised by the next wait, or at the end of the
+    run's block; while another error is on its way out, the write is only let finish."""
+    from cpu_quant.quantize.pipeline import ResumePoint
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        with ResumePoint() as point:
+            point.write(full_disk)
+    point = ResumePoint()
+    point.write(full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        point.write(lambda: None)  # the next write waits for the last one first
+    with pytest.raises(KeyError):
+        with ResumePoint() as point:
+            point.write(full_disk)
+            raise KeyError("the layer's own error wins")

@@ -64,7 +64,7 @@ def test_staged_layer_equals_true_sequential_by_definition(stream_and_hidden, tm
             for b, h in enumerate(hidden):
                 stream.call_layer(0, b, h)
             handle.remove()
-            hess = 2.0 * sum(gram(x.reshape(-1, x.shape[-1]).float()) for x in xs) / sum(
+            hess = 2.0 * sum(gram(x.reshape(-1, x.shape[-1])) for x in xs) / sum(
                 x.numel() // x.shape[-1] for x in xs)
             want_h.append(hess)
             for n in names:

@@ -89,9 +89,10 @@ def token_windows(tokenizer, texts: list[str], n_samples: int, seqlen: int) -> l
     if n_samples < 1 or seqlen < 2:
         raise CpuQuantError("--samples must be >= 1 and --seqlen >= 2")
     ids: list[int] = []
-    for text in texts:
-        if text.strip():
-            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+    texts = [t for t in texts if t.strip()]
+    # one batched call: the fast tokenizer encodes the texts in parallel
+    for encoded in (tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []):
+        ids.extend(encoded)
     need = seqlen
     if len(ids) < need:
         raise CpuQuantError(

@@ -156,26 +156,28 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
     w = w[:, perm]
     group_of = torch.arange(k)[perm] // g  # group of each (permuted) column
 
-    codes = torch.zeros(n, k, dtype=torch.uint8)
+    # signed codes a = q - 8, one row per (permuted) column
+    codes_t = torch.empty(k, n, dtype=torch.int8)
     block = max(block_size // g, 1) * g if not act_order else block_size
     # The sweep is a long chain of small ops on one column at a time, so the per-column work
-    # is kept to the minimum: Python scalars for the indices and pivots, each group's scale
-    # (and its zero-scale mask) prepared once when the group changes, and the rank-1 update
-    # done in place.
+    # is kept to the minimum: the block is held transposed (a column is a contiguous row),
+    # Python scalars for the indices and pivots, each group's scale prepared once when the
+    # group changes (a zero scale becomes +inf, so its codes come out 0 without a mask), the
+    # codes kept signed until the end, and the error written straight into its block row.
     groups = group_of.tolist()
     pivots = torch.diagonal(hinv).tolist()
-    current, s_col, z_col, safe, dead_scale = -1, None, None, None, None
+    current, s_col, z_col, safe = -1, None, None, None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
+        w1 = w[:, i1:i2].t().contiguous()
+        err1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             grp = groups[col]
             if not act_order and col % g == 0:
                 imp = importance[perm[col:col + g]].reshape(1, g)
-                s, z = fit_group(w1[:, i:i + g].unsqueeze(1), imp.unsqueeze(0), grid)
+                s, z = fit_group(w1[i:i + g].t().contiguous().unsqueeze(1), imp.unsqueeze(0), grid)
                 scales[:, grp] = s.reshape(n)
                 if zeros is not None and z is not None:
                     zeros[:, grp] = z.reshape(n)
@@ -184,20 +186,19 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
                 current = grp
                 s_col = scales[:, grp].contiguous()
                 z_col = None if zeros is None else zeros[:, grp].contiguous()
-                dead_scale = s_col == 0
-                safe = torch.where(dead_scale, torch.ones_like(s_col), s_col)
-            wcol = w1[:, i]
+                safe = s_col.masked_fill(s_col == 0, math.inf)
+            wcol = w1[i]
             target = wcol if z_col is None else wcol - z_col
-            q = torch.round(target / safe).add_(QZERO).masked_fill_(dead_scale, QZERO).clamp_(QMIN, QMAX)
-            codes[:, col] = q
-            deq = (q - QZERO).mul_(s_col)
+            a = torch.div(target, safe).round_().clamp_(QMIN - QZERO, QMAX - QZERO)
+            codes_t[col] = a
+            deq = a.mul_(s_col)
             if z_col is not None:
                 deq += z_col
-            e = (wcol - deq).div_(pivots[col])
-            w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1.0)
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+            e = torch.sub(wcol, deq, out=err1[i]).div_(pivots[col])
+            w1[i + 1:].addr_(hinv1[i, i + 1:], e, alpha=-1.0)  # row i is done
+        w[:, i2:] -= err1.t() @ hinv[i1:i2, i2:]
 
+    codes = codes_t.t().add(QZERO).to(torch.uint8)
     inv = torch.argsort(perm)
     codes = codes[:, inv].contiguous()
     return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised)

@@ -289,7 +289,7 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
 
         def hook(module, args, keep=keep, acc=acc):
             x = args[0]
-            acc[0].add_(gram(x.reshape(-1, x.shape[-1]).to(torch.float32)))
+            acc[0].add_(gram(x.reshape(-1, x.shape[-1])))
             acc[1] += x.numel() // x.shape[-1]
             if keep is not None:
                 keep.put(cur.b, x)
