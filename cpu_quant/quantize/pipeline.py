@@ -414,8 +414,8 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A safetensors file written straight from the tensors' memory (no serialised copy of
-    them, unlike ``safetensors.torch.save_file``), with Python I/O: a full disk is a plain
-    OSError, and the GIL is free while the bytes go out. Read back by ``load_file``."""
+    them, unlike ``safetensors.torch.save_file``) and fsynced, with Python I/O: a full disk is
+    a plain OSError, and the GIL is free while the bytes go out. Read back by ``load_file``."""
     header: dict = {}
     offset = 0
     parts = []
@@ -433,6 +433,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         f.write(head)
         for t in parts:
             f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class ResumePoint:
