@@ -157,8 +157,9 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     GRAM_ROWS, each slab's product is rounded once, and the slabs are summed in float32. The
     roundings are unbiased and independent, so over a layer's 65,536 calibration tokens the
     Hessian is within about 1e-3 of its largest entry (each diagonal entry within about 1e-3
-    of itself), far below the calibration sample's own noise; measured on this CPU it takes
-    0.56x (K = 576) and 0.62x (K = 1536) the time of the float32 product. Any other dtype is
+    of itself; the test allows 1.5e-3 and 2e-3), far below the calibration sample's own noise;
+    on an AMD EPYC with AVX-512 bf16 (2 cores) it takes 0.62x (K = 576) and 0.56x (K = 1536)
+    the time of the float32 product. Any other dtype is
     multiplied in float32, as accurately as a float32 GEMM; the summation order, and so the
     last bits, depend only on the shapes."""
     k = x.shape[1]
