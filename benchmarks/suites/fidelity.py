@@ -123,12 +123,13 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
     """
     import re
 
-    from cpu_quant.eval.dequantized import reader_for
+    from cpu_quant.formats import format_for_quant_method
     from cpu_quant.io.checkpoint import open_checkpoint
 
     qck, src = open_checkpoint(artifact), open_checkpoint(source)
     qcfg = qck.config.get("quantization_config") or {}
-    marker, _, reader = reader_for(qcfg["quant_method"])
+    fmt = format_for_quant_method(qcfg["quant_method"])
+    marker = fmt.marker
     sig: dict[str, float] = {}
     err: dict[str, float] = {}
     for name in qck.names:
@@ -137,7 +138,7 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
         module = name[: -len(marker) - 1]
         m = re.search(r"\.layers\.(\d+)\.", module)
         key = m.group(1) if m else module
-        w_hat = reader(qck, module, qcfg).float()
+        w_hat = fmt.dequantize(fmt.read_tensors(qck, module), qcfg).float()
         src_name = f"{module}.weight"
         if src_name not in src.files and module == "lm_head":
             src_name = "model.embed_tokens.weight"  # tied head

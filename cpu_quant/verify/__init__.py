@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-from .checks import FORMATS, Finding, FormatSpec, VerifyReport, verify_checkpoint
+from .checks import Finding, VerifyReport, verify_checkpoint
 from .inspect import InspectReport, inspect_checkpoint
 
 __all__ = [
-    "FORMATS",
     "Finding",
-    "FormatSpec",
     "InspectReport",
     "VerifyReport",
     "inspect_checkpoint",
