@@ -27,7 +27,12 @@ is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVA
 ``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
 ``quantize`` suite) instead of building it: admitted only if its ``quantization_report.json``
 (cpu-quant) or ``gptqmodel_run.json`` (GPTQModel: same calibration windows by sha256, same
-groups, head and symmetry) matches the arm, and hashed into the provenance like any artifact.
+groups, head and symmetry) matches the arm.
+
+Every pass records the digest of the weights it scored (``records[].artifacts["artifact"]``,
+also in ``provenance.artifacts`` as ``ARM/pass-N/artifact``): ``provenance.artifact_digest``
+over the artifact's tensor files and ``config.json`` only, so it equals the digest the
+``quantize`` suite recorded for the same weights, whichever run wrote their report.
 
 Metrics: ``kl_mean`` (nats, lower), ``ppl_delta`` (quantized − reference perplexity, lower),
 ``top1_agreement`` (higher), ``greedy_prefix_fraction`` (higher), ``greedy_exact`` (prompts
