@@ -1,4 +1,4 @@
-"""Interruption, resume, full disks and locks (issue 8)."""
+"""Interruption, resume, full disks and locks."""
 
 from __future__ import annotations
 

@@ -355,7 +355,7 @@ def test_inspect_foreign_bf16_head() -> None:
     assert report.bits_per_weight == pytest.approx(4 + 16 / 32)  # fp16 scales, group 32
 
 
-# -- cpu_int4 (written here from the documented layout; issue 3 owns the real writer) --------------
+# -- cpu_int4 (written here from the documented layout, independently of formats/cpu_int4.py) ---------
 @pytest.fixture(scope="module")
 def cpu_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GPTQModel v1 fixture repacked into the cpu_int4 layout (symmetric: zero 0)."""
