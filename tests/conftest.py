@@ -1,4 +1,15 @@
-"""Shared fixtures: the real demo model, a real `cpu-quant gptq` artifact, tiny random models."""
+"""Shared fixtures (the real demo model, a real `cpu-quant gptq` artifact, tiny random models)
+and the two test tiers.
+
+* The unit tier, what ``pytest`` runs with no arguments: math, layouts, plans, CLI argument
+  errors, tiny random models, the real demo model only where reading it is the point.
+* The end-to-end tier, ``pytest -m e2e``: the real vLLM, ExecuTorch, llama.cpp and GPTQModel,
+  and real quantizations of the demo model. A test is in it when it is marked ``e2e``,
+  ``vllm`` or ``slow``, or when it uses one of the fixtures in :data:`E2E_FIXTURES` (they
+  quantize the demo model or start a runtime; each is built once per run and shared).
+
+``pytest -m "e2e or not e2e"`` runs both in one process.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +26,22 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
 # Small calibration for CI; the benchmarks use the full 128 x 512.
 SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
+
+
+# Fixtures that quantize the demo model or start a real runtime: a test using any of them (even
+# through another fixture) belongs to the end-to-end tier.
+E2E_FIXTURES = frozenset({
+    "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact", "uniform_artifact",
+    "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
+    "qnn_w8a16", "quantize_dir", "quantize_result", "fidelity_result", "stream_and_hidden",
+})
+E2E_MARKS = ("e2e", "vllm", "slow")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if any(item.get_closest_marker(m) for m in E2E_MARKS) or E2E_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.e2e)
 
 
 def vllm_gptq_unavailable() -> str | None:

@@ -22,11 +22,13 @@ from .base import (
     combined_limits,
     format_for_quant_method,
     format_names,
+    format_owning,
     get_format,
     parse_formats,
 )
 
 __all__ = [
     "ArtifactInfo", "Format", "Limits", "SafetensorsFormat", "Sink", "TensorSpec",
-    "combined_limits", "format_for_quant_method", "format_names", "get_format", "parse_formats",
+    "combined_limits", "format_for_quant_method", "format_names", "format_owning", "get_format",
+    "parse_formats",
 ]

@@ -140,6 +140,19 @@ class Format:
     def open_sink(self, directory: Path, n_layers: int, resume_state: dict | None) -> Sink:
         raise NotImplementedError
 
+    def owns(self, path: Path) -> bool:
+        """Whether ``path`` is this format's artifact and not a safetensors checkpoint (a file
+        format's file, or a directory holding one); verify and inspect then ask the format."""
+        return False
+
+    def verify_artifact(self, path: Path) -> tuple[list, int]:
+        """(verify's Finding objects, quantized tensors) for an artifact this format owns."""
+        raise NotImplementedError
+
+    def inspect_artifact(self, path: Path) -> dict:
+        """A summary (JSON-able; one printed line per key) of an artifact this format owns."""
+        raise NotImplementedError
+
     def refuse_grid(self, symmetric: bool) -> str | None:
         """Why this format cannot store the run's grid, or None."""
         if not symmetric and not self.limits.stores_zeros:
@@ -231,6 +244,15 @@ def format_for_quant_method(quant_method: str | None) -> SafetensorsFormat | Non
     for cls in REGISTRY.values():
         if quant_method in cls.quant_methods:
             return cls()  # type: ignore[return-value]
+    return None
+
+
+def format_owning(path: Path) -> Format | None:
+    """The format that owns ``path`` (see :meth:`Format.owns`), or None."""
+    for cls in REGISTRY.values():
+        fmt = cls()
+        if fmt.owns(Path(path)):
+            return fmt
     return None
 
 

@@ -34,7 +34,13 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
-from ..formats import SafetensorsFormat, format_for_quant_method, format_names, get_format
+from ..formats import (
+    SafetensorsFormat,
+    format_for_quant_method,
+    format_names,
+    format_owning,
+    get_format,
+)
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from ..quantize.plan import HEAD_NAME, VLLM_FUSED, group_for_module
 from .findings import SEVERITIES, Finding
@@ -636,6 +642,11 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
     yields error findings instead.
     """
     root = Path(path)
+    owner = format_owning(root)
+    if owner is not None:  # a format with its own container (not safetensors)
+        report = VerifyReport(str(root), owner.name)
+        report.findings, report.quantized_modules = owner.verify_artifact(root)
+        return report
     try:
         ckpt = open_checkpoint(root)
     except CpuQuantError as exc:

@@ -37,7 +37,8 @@ def _emit_json(doc: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON document.")
 @_one_line_errors
 def verify(directory: Path, as_json: bool) -> None:
-    """Check a GPTQ or cpu_int4 checkpoint in DIRECTORY; exit 1 when anything is wrong."""
+    """Check an artifact (a GPTQ or cpu_int4 checkpoint directory, a GGUF file) at DIRECTORY;
+    exit 1 when anything is wrong."""
     from .checks import verify_checkpoint
 
     report = verify_checkpoint(directory)
@@ -58,7 +59,7 @@ def verify(directory: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON document.")
 @_one_line_errors
 def inspect(directory: Path, as_json: bool) -> None:
-    """Summarise a checkpoint in DIRECTORY: format, bits per weight, tensors, head, size."""
+    """Summarise an artifact at DIRECTORY: format, bits per weight, tensors, head, size."""
     from .inspect import inspect_checkpoint
 
     report = inspect_checkpoint(directory)

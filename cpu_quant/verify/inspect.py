@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..formats import format_owning
 from ..io.checkpoint import open_checkpoint
 from ..quantize.plan import HEAD_NAME
 from .checks import (
@@ -143,8 +144,30 @@ def _report_headline(root: Path) -> dict | None:
     return {k: v for k, v in head.items() if v is not None}
 
 
-def inspect_checkpoint(path: str | Path) -> InspectReport:
+@dataclass
+class FormatSummary:
+    """The summary of an artifact whose format has its own container (``Format.owns``)."""
+
+    path: str
+    format: str
+    summary: dict
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "path": self.path, "format": self.format, **self.summary}
+
+    def lines(self) -> list[str]:
+        rows = [("artifact", self.path), ("format", self.format)]
+        rows += [(k.replace("_", " "), v if isinstance(v, str) else json.dumps(v))
+                 for k, v in self.summary.items()]
+        width = max(len(k) for k, _ in rows)
+        return [f"{k:<{width}}  {v}" for k, v in rows]
+
+
+def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
     root = Path(path)
+    owner = format_owning(root)
+    if owner is not None:
+        return FormatSummary(str(root), owner.name, owner.inspect_artifact(root))
     ckpt = open_checkpoint(root)
     try:
         qcfg = load_quantization_config(root, ckpt.config) or {}
