@@ -26,7 +26,6 @@ import pytest
 
 from .conftest import needs_vllm_gptq_kernel
 
-PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 NEW_TOKENS = 8
 HEALTH_TIMEOUT_S = 600
@@ -48,11 +47,12 @@ PROMPTS = [
 # - W4A8 (vLLM's int4_scaled_mm_cpu, the default where the CPU has AMX): every GEMM input is
 #   rounded to int8 with one scale per token, which moves top-2 gaps by far more. Measured on
 #   this artifact (these prompts + the chat, 8 tokens): 2 of 5 sequences identical, the others
-#   split at steps 2, 0 and 5, always to the bf16 model's runner-up, with vLLM margins 0.0, 0.19
-#   and 0.63 where the bf16 model preferred the other token by 0.13, 0.19 and 0.25 (a shift of
-#   up to 0.88 nats); with VLLM_CPU_INT4_W4A8=0 the same server matched 4 of 5 exactly. Our
-#   torch emulation of int8-per-token activations (cpu_quant.eval.fidelity.w4a8_activations)
-#   matched none of the 5 (splits at steps 0-7), so the reference stays the bf16 model.
+#   split at steps 2, 0 and 5, each time vLLM's runner-up being the bf16 model's token, with
+#   vLLM margins 0.0, 0.19 and 0.63 where the bf16 model preferred its token by 0.13, 0.19 and
+#   0.25 (a shift of up to 0.88 nats); with VLLM_CPU_INT4_W4A8=0 the same server matched 4 of
+#   5 exactly. Our torch emulation of int8-per-token activations
+#   (cpu_quant.eval.fidelity.w4a8_activations) matched none of the 5 (splits at steps 0-7), so
+#   the reference stays the bf16 model.
 NEAR_TIE_NATS = {"w4a16": 0.3, "w4a8": 1.0}
 # vLLM returns log-probs from before ``min_tokens`` masks EOS (its default logprobs_mode is
 # raw_logprobs), so the runner-up can be the masked EOS: ask for a few more and drop EOS.
