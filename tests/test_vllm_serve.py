@@ -1,0 +1,237 @@
+"""`vllm serve` on a cpu-quant GPTQ artifact, over HTTP, held to the artifact's dequantized weights.
+
+End-to-end tier: quantizes the demo model (session fixture ``gptq_artifact``), starts the real
+``vllm`` console script on loopback, and asks ``/v1/completions`` and ``/v1/chat/completions``
+for greedy tokens. Needs the ``vllm`` metadata alias (``python -m cpu_quant.vllm_alias``,
+run by scripts/setup.sh): without it ``vllm serve`` dies on ``importlib.metadata.version("vllm")``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from .conftest import needs_vllm_gptq_kernel
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+NEW_TOKENS = 8
+HEALTH_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 120
+SERVED_NAME = "demo-gptq"
+PROMPTS = [
+    "The capital of France is",
+    "Emma Woodhouse, handsome, clever, and rich,",
+    "def fibonacci(n):",
+    "It is a truth universally acknowledged that",
+]
+# Where vLLM and the torch model may pick different greedy tokens. From the first step where
+# they differ on, the two continue from different contexts, so only that step is judged: the
+# reference's token must be vLLM's runner-up, and vLLM's top-2 log-prob margin there at most:
+# - W4A16 (vLLM's cpu_gemm_wna16, bf16 activations): the bf16 near-tie of
+#   tests/test_gptq_end_to_end.py (logits rounded to bf16, spacing 0.0625-0.25 at magnitudes
+#   8-32; GEMMs reduce in another order). Measured: 4 of 5 sequences identical, the fifth split
+#   at a margin of 0.0.
+# - W4A8 (vLLM's int4_scaled_mm_cpu, the default where the CPU has AMX): every GEMM input is
+#   rounded to int8 with one scale per token, which moves top-2 gaps by far more. Measured on
+#   this artifact (these prompts + the chat, 8 tokens): 2 of 5 sequences identical, the others
+#   split at steps 2, 0 and 5, each time vLLM's runner-up being the bf16 model's token, with
+#   vLLM margins 0.0, 0.19 and 0.63 where the bf16 model preferred its token by 0.13, 0.19 and
+#   0.25 (a shift of up to 0.88 nats); with VLLM_CPU_INT4_W4A8=0 the same server matched 4 of
+#   5 exactly. Our torch emulation of int8-per-token activations
+#   (cpu_quant.eval.fidelity.w4a8_activations) matched none of the 5 (splits at steps 0-7), so
+#   the reference stays the bf16 model.
+NEAR_TIE_NATS = {"w4a16": 0.3, "w4a8": 1.0}
+# vLLM returns log-probs from before ``min_tokens`` masks EOS (its default logprobs_mode is
+# raw_logprobs), so the runner-up can be the masked EOS: ask for a few more and drop EOS.
+TOP_LOGPROBS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited with {proc.returncode} before /health:\n"
+                                 f"{_log_tail(log)}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2)
+    raise AssertionError(f"vllm serve not healthy after {HEALTH_TIMEOUT_S} s:\n{_log_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (API server, engine core, workers), SIGKILL if it
+    is still there after 30 s."""
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log: Path, env: dict | None = None) -> Iterator[str]:
+    """``vllm serve model_dir`` on 127.0.0.1 (a free port); yields the base URL once healthy."""
+    vllm_cli = Path(sys.executable).with_name("vllm")
+    assert vllm_cli.is_file(), f"no vllm console script beside {sys.executable}"
+    port = _free_port()
+    cmd = [str(vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "512",
+           "--enforce-eager", "--seed", "0"]
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base, log)
+        yield base
+    finally:
+        _stop(proc)
+
+
+def _steps(top_logprobs: list[dict[str, float]]) -> list[dict[int, float]]:
+    """``{"token_id:N": logprob}`` per step (``return_tokens_as_token_ids``) -> ``{N: logprob}``."""
+    return [{int(k.removeprefix("token_id:")): v for k, v in step.items()}
+            for step in top_logprobs]
+
+
+def complete(base: str, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """One /v1/completions request, prompts given as token ids: per prompt, the greedy tokens
+    and the top log-probs of every step."""
+    resp = _post(f"{base}/v1/completions", {
+        "model": SERVED_NAME, "prompt": prompts, "max_tokens": NEW_TOKENS,
+        "min_tokens": NEW_TOKENS, "temperature": 0, "logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True, "return_token_ids": True})
+    choices = sorted(resp["choices"], key=lambda c: c["index"])
+    return [(c["token_ids"], _steps(c["logprobs"]["top_logprobs"])) for c in choices]
+
+
+def chat(base: str) -> tuple[list[int], list[int], list[dict[int, float]], str]:
+    """One /v1/chat/completions request: (the prompt ids vLLM rendered from the chat, greedy
+    tokens, top log-probs per step, text)."""
+    resp = _post(f"{base}/v1/chat/completions", {
+        "model": SERVED_NAME, "messages": CHAT, "max_tokens": NEW_TOKENS,
+        "min_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = resp["choices"][0]
+    top = _steps([{t["token"]: t["logprob"] for t in step["top_logprobs"]}
+                  for step in choice["logprobs"]["content"]])
+    return resp["prompt_token_ids"], choice["token_ids"], top, choice["message"]["content"]
+
+
+def reference_greedy(model, prompt_ids: list[int]) -> list[int]:
+    """Greedy tokens of the torch model; ``min_new_tokens`` masks EOS as vLLM's ``min_tokens``."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def vllm_gptq_path() -> str:
+    """Which kernel vLLM's CPUWNA16LinearKernel runs a bf16 GPTQ layer on here
+    (``vllm/model_executor/kernels/linear/mixed_precision/cpu.py``): ``int4_scaled_mm_cpu``
+    (W4A8) where torch sees AMX tiles and ``VLLM_CPU_INT4_W4A8`` is not 0 (its default is 1),
+    else ``cpu_gemm_wna16`` (W4A16)."""
+    import torch
+
+    w4a8_switch = os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
+    return "w4a8" if torch.cpu._is_amx_tile_supported() and w4a8_switch else "w4a16"
+
+
+def assert_greedy_agrees(got: list[int], top: list[dict[int, float]], expected: list[int],
+                         masked: set[int], tolerance: float, what: str) -> None:
+    """``got`` equals ``expected`` up to a first difference at which the reference's token is
+    vLLM's runner-up, by at most ``tolerance`` nats, among the tokens not ``masked``."""
+    assert len(got) == len(expected) == NEW_TOKENS, (what, got, expected)
+    diff = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+    if diff is None:
+        return
+    step = {t: lp for t, lp in top[diff].items() if t not in masked}
+    runner_up = max((lp for t, lp in step.items() if t != got[diff]), default=float("-inf"))
+    margin = step[got[diff]] - step.get(expected[diff], float("-inf"))
+    assert step.get(expected[diff]) == runner_up and margin <= tolerance, (
+        f"{what}: vLLM left the dequantized model's greedy path at token {diff} by "
+        f"{margin:.3f} nats (tolerance {tolerance}; vLLM's top log-probs there: {top[diff]}):\n"
+        f"  vLLM      {got}\n  reference {expected}")
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+@needs_vllm_gptq_kernel
+def test_vllm_serve_answers_like_the_dequantized_weights(gptq_artifact: Path, tmp_path: Path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from cpu_quant.eval.dequantized import load_model
+
+    try:
+        md.version("vllm")
+    except md.PackageNotFoundError:
+        pytest.fail("no 'vllm' distribution metadata, so `vllm serve` cannot start: run "
+                    "python -m cpu_quant.vllm_alias (scripts/setup.sh does)")
+    tok = AutoTokenizer.from_pretrained(gptq_artifact)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    # stock vLLM's GPTQ path: no opt-in kernel of our plugin
+    env = {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "0"}
+    log = tmp_path / "vllm-serve.log"
+    with vllm_server(gptq_artifact, log, env) as base:
+        completions = complete(base, prompts)
+        chat_prompt, chat_tokens, chat_top, chat_text = chat(base)
+    assert "Using CPUWNA16LinearKernel for AutoGPTQLinearMethod" in log.read_text(), \
+        _log_tail(log)
+
+    # the artifact's chat template, rendered by vLLM as by transformers
+    assert chat_prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    assert chat_text == tok.decode(chat_tokens, skip_special_tokens=True)
+    tolerance = NEAR_TIE_NATS[vllm_gptq_path()]
+    reference = load_model(gptq_artifact, dtype=torch.bfloat16)
+    eos = reference.generation_config.eos_token_id
+    masked = set(eos if isinstance(eos, list) else [eos])  # by min_tokens / min_new_tokens
+    cases = [(f"completion {p!r}", ids, got, top)
+             for p, ids, (got, top) in zip(PROMPTS, prompts, completions, strict=True)]
+    cases.append(("chat", chat_prompt, chat_tokens, chat_top))
+    for what, ids, got, top in cases:
+        assert_greedy_agrees(got, top, reference_greedy(reference, ids), masked, tolerance,
+                             what)
