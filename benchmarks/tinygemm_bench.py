@@ -116,7 +116,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
 
     from vllm import LLM
 
-    from cpu_quant.runtime_patches.memory import anon_rss_bytes
+    from cpu_quant.memory import anon_rss_bytes
 
     t0 = time.perf_counter()
     llm = LLM(model=model, max_model_len=prompt_len + decode_tokens + 16, dtype="bfloat16",
@@ -179,13 +179,15 @@ def _random_qwen(dst: Path) -> Path:
     return dst
 
 
-def _quantized(src: Path, dst: Path, layout) -> Path:
+def _quantized(src: Path, dst: Path, fmt: str) -> Path:
+    from cpu_quant.formats import get_format
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     if not (dst / "config.json").is_file():
-        quantize_checkpoint(src, dst, QuantSettings(method="rtn", calib="none",
-                                                    scale_search=False), layout,
-                            overwrite=True, progress=True)
+        # the gptq arm on the symmetric grid, the cpu_int4 arm on the asymmetric one
+        settings = QuantSettings(method="rtn", calib="none", scale_search=False,
+                                 symmetric=fmt == "gptq")
+        quantize_checkpoint(src, dst, settings, [get_format(fmt)], overwrite=True, progress=True)
     return dst
 
 
@@ -197,20 +199,16 @@ def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str]
     """The checkpoint each arm serves (``arms``, in ``ARMS`` order), quantized when missing;
     ``src`` replaces ``model``'s bf16 checkpoint (``model`` then only names the outputs)."""
     from cpu_quant.models.demo import demo_model_path
-    from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
-    from cpu_quant.quantize.tinygemm_pack import CpuInt4Layout
 
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
     if src is None:
         src = demo_model_path() if model == "demo" else _random_qwen(workdir / "qwen05b-bf16")
-    layouts = {"gptq": GPTQLayout, "cpu_int4": CpuInt4Layout}
 
     def artifact(arm: str) -> Path:
         arm = SAME_ARTIFACT.get(arm, arm)
-        return src if arm == "bf16" else _quantized(src, workdir / f"{model}-{arm}-rtn",
-                                                    layouts[arm]())
+        return src if arm == "bf16" else _quantized(src, workdir / f"{model}-{arm}-rtn", arm)
 
     return {arm: artifact(arm) for arm in ARMS if arm in arms}
 
@@ -218,18 +216,21 @@ def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str]
 # -- kernel attribution ---------------------------------------------------------------------------
 def _decode_linears(config: dict) -> list[tuple[str, int, int, int]]:
     """(name, N, K, group) of the linears one decode step calls, as vLLM fuses them."""
+    from cpu_quant.formats import get_format
     from cpu_quant.quantize.plan import choose_group
 
+    limits = get_format("gptq").limits
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
     layers = config["num_hidden_layers"]
     shapes = [("qkv_proj", (heads + 2 * kv) * head_dim, h), ("o_proj", h, heads * head_dim),
               ("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)]
-    out = [(f"layers.*.{n}", nn, k, choose_group(n, k, 128, False)[0]) for n, nn, k in shapes
+    out = [(f"layers.*.{n}", nn, k, choose_group(n, k, 128, False, limits)[0])
+           for n, nn, k in shapes
            for _ in range(layers)]
     vocab = config["vocab_size"]
-    out.append(("lm_head", vocab, h, choose_group("lm_head", h, 128, False)[0]))
+    out.append(("lm_head", vocab, h, choose_group("lm_head", h, 128, False, limits)[0]))
     return out
 
 
@@ -260,7 +261,7 @@ def _wna16_layer(n: int, k: int, g: int):
     )
     from vllm.scalar_type import scalar_types
 
-    from cpu_quant.quantize.gptq_cpu_export import pack_gptq_qweight
+    from cpu_quant.formats.gptq import pack_gptq_qweight
 
     if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
         return None
@@ -292,7 +293,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
     import torch.nn.functional as F
 
     from cpu_quant import tinygemm_runtime  # noqa: F401  (registers the op)
-    from cpu_quant.quantize import tinygemm_pack as tp
+    from cpu_quant.formats import cpu_int4 as tp
 
     config = json.loads((src / "config.json").read_text())
     linears = _decode_linears(config)

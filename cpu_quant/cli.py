@@ -29,16 +29,20 @@ def main() -> None:
 @click.argument("src", required=False)
 @click.argument("dst", required=False)
 @quantize_options
+@click.option("--format", "format_list", default="gptq", show_default=True,
+              help="Formats to write from the one calibrated run, comma-separated: gptq (vLLM), "
+                   "cpu_int4 (tinygemm), gguf (llama.cpp, Q4_0). With one format DST is that "
+                   "artifact; with several, DST holds one subdirectory per format.")
 @friendly_errors
-def gptq(src: str | None, dst: str | None, **opts) -> None:
+def gptq(src: str | None, dst: str | None, format_list: str, **opts) -> None:
     """Calibrated symmetric 4-bit GPTQ checkpoint for vLLM's CPU kernels.
 
     SRC defaults to the built-in demo model (SmolLM2-135M-Instruct, bf16); DST defaults to a
     directory named after the source and the settings.
     """
-    from .quantize.gptq_cpu_export import GPTQLayout
+    from .formats import parse_formats
 
-    run_quantize_command(src, dst, GPTQLayout(), "gptq", opts)
+    run_quantize_command(src, dst, parse_formats(format_list), True, "gptq", opts)
 
 
 @main.command("eval")

@@ -133,21 +133,24 @@ def quantize_options(fn):
     return fn
 
 
-def _settings_from(opts: dict):
-    from .quantize.pipeline import QuantSettings
+def _settings_from(opts: dict, symmetric: bool):
+    from .quantize.settings import QuantSettings
 
     return QuantSettings(
         method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
         act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],
         head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
-        offload_activations=opts["offload_activations"])
+        offload_activations=opts["offload_activations"], symmetric=symmetric)
 
 
-def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, opts: dict) -> None:
-    from .quantize.pipeline import quantize_checkpoint, update_report
+def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,
+                         kind: str, opts: dict) -> None:
+    from .quantize.pipeline import check_formats, quantize_checkpoint, update_report
 
-    settings = _settings_from(opts)
+    settings = _settings_from(opts, symmetric)
+    settings.validate()
+    check_formats(formats, settings)  # before resolving (and perhaps downloading) the source
     source = _resolve_source(src)
     target = Path(dst) if dst else _default_destination(source, kind, settings.method, settings.group_size)
     if not settings.quantize_head:
@@ -156,14 +159,14 @@ def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, op
                    "bytes of a 4-bit head", err=True)
     click.echo(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})",
                err=True)
-    report = quantize_checkpoint(source, target, settings, layout, overwrite=opts["overwrite"],
+    report = quantize_checkpoint(source, target, settings, formats, overwrite=opts["overwrite"],
                                  resume=opts["resume"])
     for note in report.plan_notes[:6]:
         click.echo(f"note: {note}", err=True)
     if len(report.plan_notes) > 6:
         click.echo(f"note: ... {len(report.plan_notes) - 6} more in quantization_report.json", err=True)
     _print_summary(report, target)
-    if kind == "gptq":
+    if "gptq" in report.outputs:
         from .probe import read_machine, vllm_gptq_unavailable
 
         try:
@@ -173,12 +176,32 @@ def run_quantize_command(src: str | None, dst: str | None, layout, kind: str, op
         if why:
             click.echo(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
                        "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
-                       f"`cpu-quant convert {target} DST --to cpu_int4` (bit-exact)", err=True)
+                       f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)",
+                       err=True)
     if not opts["no_eval"]:
         from .eval.fidelity import EvalSettings, evaluate_artifact
 
         click.echo("\nrunning the short fidelity check (--no-eval skips it) ...", err=True)
-        fid = evaluate_artifact(target, source, EvalSettings.quick(),
+        scored = _evaluated_output(report.outputs)
+        if scored is None:
+            click.echo("note: no safetensors format was written; the fidelity check is skipped",
+                       err=True)
+            return
+        fid = evaluate_artifact(scored, source, EvalSettings.quick(),
                                 variants=("weights", "w4a8_emulated"))
-        update_report(target, fidelity={k: v.as_dict() for k, v in fid.items()})
+        for directory in _safetensors_outputs(report.outputs):
+            update_report(directory, fidelity={k: v.as_dict() for k, v in fid.items()})
         _print_fidelity(fid)
+
+
+def _safetensors_outputs(outputs: dict[str, str]) -> list[str]:
+    """The outputs in safetensors formats: they hold the same weights (the same codes and bf16
+    scales, every other tensor bf16), so one fidelity score serves them all."""
+    from .formats import SafetensorsFormat, get_format
+
+    return [d for name, d in outputs.items() if isinstance(get_format(name), SafetensorsFormat)]
+
+
+def _evaluated_output(outputs: dict[str, str]) -> str | None:
+    scored = _safetensors_outputs(outputs)
+    return scored[0] if scored else None

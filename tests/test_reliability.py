@@ -1,4 +1,4 @@
-"""Interruption, resume, full disks and locks (issue 8)."""
+"""Interruption, resume, full disks and locks."""
 
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def test_releasing_the_heap_after_a_layer_starts_no_process(monkeypatch):
     ``ctypes.util.find_library`` forks ``ldconfig``, and a fork of the quantizer briefly doubles
     the RssAnon summed over its process tree (the memory benchmark's one-off peaks)."""
 
-    from cpu_quant.quantize.pipeline import release_free_heap
+    from cpu_quant.memory import release_free_heap
 
     release_free_heap()  # the first call may look the allocators up
 
@@ -207,7 +207,7 @@ PIN_PROBE = r"""
 import ctypes, sys
 import torch
 from benchmarks.memory_trace import _mallinfo2
-from cpu_quant.runtime_patches.release_memory import pin_mmap_threshold
+from cpu_quant.memory import pin_mmap_threshold
 
 mi = _mallinfo2()
 if sys.argv[1] == "pin":
@@ -268,7 +268,7 @@ def test_resume_point_file_reads_back_through_safetensors(tmp_path):
     a file that safetensors reads back exactly: dtypes, shapes, views, an empty tensor."""
     from safetensors.torch import load_file
 
-    from cpu_quant.quantize.pipeline import write_safetensors
+    from cpu_quant.io.safetensors_writer import write_safetensors
 
     torch.manual_seed(0)
     slab = torch.randn(6, 5, 7).to(torch.bfloat16)
@@ -285,7 +285,7 @@ def test_resume_point_file_reads_back_through_safetensors(tmp_path):
 def test_resume_point_raises_its_write_error_in_the_main_thread():
     """A failed background write (a full disk) is raised by the next wait, or at the end of the
     run's block; while another error is on its way out, the write is only let finish."""
-    from cpu_quant.quantize.pipeline import ResumePoint
+    from cpu_quant.quantize.resume import ResumePoint
 
     def full_disk():
         raise OSError(28, "No space left on device")

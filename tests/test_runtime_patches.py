@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 
 from cpu_quant.errors import CpuQuantError
+from cpu_quant.memory import descendant_pids
 from cpu_quant.runtime_patches import PATCH_MODULES, anon_rss_bytes, switch_state
 from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
 from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
-from cpu_quant.runtime_patches.memory import descendant_pids
 
 from .runtime_patches_engine import run_process_tree
 

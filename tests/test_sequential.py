@@ -13,7 +13,7 @@ import torch
 
 from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
-from cpu_quant.quantize.pipeline import gram
+from cpu_quant.quantize.hessians import gram
 from cpu_quant.quantize.sequential import BatchStore, probe, run_true_sequential
 from cpu_quant.quantize.streaming import LayerStream
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cpu_quant.errors import CpuQuantError
-from cpu_quant.quantize import tinygemm_pack as tp
+from cpu_quant.formats import cpu_int4 as tp
 
 from .conftest import REPO, SMALL_CALIB, run_cli
 from .helpers.tinygemm_isa import random_module as _random_module
@@ -115,7 +115,7 @@ def test_gptq_layers_repack_to_the_kernel_exactly():
     layer's qweight/scales become the bytes torch's own packer makes from the same codes, and
     the kernel tensor dequantizes to exactly what vLLM's GPTQ reading ((q - 8) * s) gives.
     Wider than one column chunk, so the chunk boundary is crossed."""
-    from cpu_quant.quantize.gptq_cpu_export import dequantize_gptq, pack_gptq_qweight
+    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight
     from cpu_quant.runtime_patches.gptq_tinygemm import COLUMN_CHUNK, gptq_to_kernel
 
     n, k, group = COLUMN_CHUNK + 64, 128, 64
@@ -257,7 +257,7 @@ def test_config_and_tensors_describe_a_cpu_int4_checkpoint(asym_artifact: Path):
 
 
 def test_convert_repacks_symmetric_gptq_losslessly(gptq_artifact: Path, sym_artifact: Path):
-    from cpu_quant.eval.dequantized import reader_for
+    from cpu_quant.formats import get_format
     from cpu_quant.io.checkpoint import open_checkpoint
 
     src, dst = open_checkpoint(gptq_artifact), open_checkpoint(sym_artifact)
@@ -267,10 +267,10 @@ def test_convert_repacks_symmetric_gptq_losslessly(gptq_artifact: Path, sym_arti
     assert q["dynamic"] == src.config["quantization_config"]["dynamic"]
     modules = [n[: -len(".qweight")] for n in src.names if n.endswith(".qweight")]
     assert len(modules) == 30 * 7 + 1
-    read_gptq, read_int4 = reader_for("gptq")[2], reader_for("cpu_int4")[2]
+    gptq, int4 = get_format("gptq"), get_format("cpu_int4")
     for m in modules:
-        a = read_gptq(src, m, src.config["quantization_config"])
-        b = read_int4(dst, m, q)
+        a = gptq.dequantize(gptq.read_tensors(src, m), src.config["quantization_config"])
+        b = int4.dequantize(int4.read_tensors(dst, m), q)
         assert torch.equal(a, b), m
         assert not bool(dst.tensor(f"{m}.weight_zero").any())
     gptq_suffixes = ("qweight", "qzeros", "scales", "g_idx")
@@ -294,7 +294,7 @@ def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path
     """A one-module symmetric GPTQ checkpoint of shape [n x k], group ``group``."""
     from safetensors.torch import save_file
 
-    from cpu_quant.quantize.gptq_cpu_export import gptq_module_tensors
+    from cpu_quant.formats.gptq import gptq_module_tensors
     from cpu_quant.quantize.grid import GroupQuant
 
     dst.mkdir()
@@ -308,36 +308,37 @@ def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path
     return dst
 
 
-def test_convert_refuses_bad_input_with_one_line_and_no_output(gptq_artifact: Path,
-                                                               tmp_path: Path):
-    """A GPTQ directory that is not symmetric (by its config, or by one zero point), or whose
-    shapes the kernel cannot take: one ``error:`` line, non-zero exit, nothing written."""
-    config = json.loads((gptq_artifact / "config.json").read_text())
-    # (a) the config says sym: false
-    cfg_asym = tmp_path / "config_asym"
-    _link_tree(gptq_artifact, cfg_asym)
-    bad_cfg = json.loads(json.dumps(config))
-    bad_cfg["quantization_config"]["sym"] = False
-    (cfg_asym / "config.json").unlink()
-    (cfg_asym / "config.json").write_text(json.dumps(bad_cfg))
-    # (b) the config says symmetric but one stored zero is 6 (a real zero of 7)
-    zeros_asym = _synthetic_gptq(tmp_path / "zeros_asym", config, 64, 128, 128)
+def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, tmp_path: Path):
+    """A checkpoint whose zero points the target cannot hold, or whose shapes the kernel cannot
+    take: one ``error:`` line, non-zero exit, nothing written."""
+    from cpu_quant.formats.gptq import gptq_quantization_config
+
+    config = json.loads((demo_src / "config.json").read_text())
+    config["quantization_config"] = gptq_quantization_config(128, False, {})
+    # (a) an asymmetric GPTQ checkpoint (sym false, a real zero of 7) to GPTQ's symmetric layout
+    asym = _synthetic_gptq(tmp_path / "asym", config, 64, 128, 128)
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(zeros_asym / "model.safetensors"))
+    tensors = load_file(str(asym / "model.safetensors"))
     tensors["model.layers.0.mlp.down_proj.qzeros"][0, 0] = 0x77777776
+    save_file(tensors, str(asym / "model.safetensors"))
+    asym_cfg = json.loads((asym / "config.json").read_text())
+    asym_cfg["quantization_config"]["sym"] = False
+    (asym / "config.json").write_text(json.dumps(asym_cfg))
+    # (b) the config says symmetric but one stored zero is 6 (a real zero of 7)
+    zeros_asym = _synthetic_gptq(tmp_path / "zeros_asym", config, 64, 128, 128)
     save_file(tensors, str(zeros_asym / "model.safetensors"))
     # (c) 40 out-features: the kernel's 16-row output blocks cannot tile it
     rows_40 = _synthetic_gptq(tmp_path / "rows_40", config, 40, 128, 128)
     # (d) one group per row (K = 576): not a group the kernel takes
     per_row = _synthetic_gptq(tmp_path / "per_row", config, 64, 576, 576)
-    cases = [(cfg_asym, "is not a symmetric GPTQ checkpoint"),
-             (zeros_asym, "qzeros are not all 8"),
-             (rows_40, "not a multiple of 16"),
-             (per_row, "not one the tinygemm kernel takes")]
-    for bad, words in cases:
+    cases = [(asym, "gptq", "holds only the symmetric grid"),
+             (zeros_asym, "cpu_int4", "qzeros are not all 8"),
+             (rows_40, "cpu_int4", "not a multiple of 16"),
+             (per_row, "cpu_int4", "not one the tinygemm kernel takes")]
+    for bad, target, words in cases:
         out = tmp_path / f"out-{bad.name}"
-        proc = run_cli("convert", str(bad), str(out), "--to", "cpu_int4", check=False)
+        proc = run_cli("convert", str(bad), str(out), "--to", target, check=False)
         assert proc.returncode != 0
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], \
@@ -345,6 +346,36 @@ def test_convert_refuses_bad_input_with_one_line_and_no_output(gptq_artifact: Pa
         assert "Traceback" not in proc.stderr
         assert not out.exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+def test_convert_round_trips_and_keeps_an_asymmetric_grid(demo_src: Path, tmp_path: Path):
+    """Any format to any other and back, bit for bit; an asymmetric GPTQ checkpoint keeps its
+    zeros in cpu_int4, where (8 - z) * s is exact."""
+    from safetensors.torch import load_file, save_file
+
+    from cpu_quant.formats import get_format
+    from cpu_quant.formats.gptq import gptq_quantization_config
+    from cpu_quant.io.checkpoint import open_checkpoint
+
+    config = json.loads((demo_src / "config.json").read_text())
+    config["quantization_config"] = gptq_quantization_config(128, False, {})
+    src = _synthetic_gptq(tmp_path / "src", config, 64, 256, 128)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.qzeros"][0, 0] = 0x77777776
+    save_file(tensors, str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["sym"] = False
+    (src / "config.json").write_text(json.dumps(cfg))
+    run_cli("convert", str(src), str(tmp_path / "int4"), "--to", "cpu_int4")
+    run_cli("convert", str(tmp_path / "int4"), str(tmp_path / "int4-again"), "--to", "cpu_int4")
+    gptq, int4 = get_format("gptq"), get_format("cpu_int4")
+    m = "model.layers.0.mlp.down_proj"
+    a, b = open_checkpoint(src), open_checkpoint(tmp_path / "int4-again")
+    wa = gptq.dequantize(gptq.read_tensors(a, m), a.config["quantization_config"])
+    wb = int4.dequantize(int4.read_tensors(b, m), b.config["quantization_config"])
+    assert torch.equal(wa, wb)
+    assert b.config["quantization_config"]["sym"] is False
+    assert bool(b.tensor(f"{m}.weight_zero").any())
 
 
 def _cli_eval(artifact: Path, reference: Path, out: Path) -> dict:

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from cpu_quant.errors import CpuQuantError
-from cpu_quant.quantize.gptq_cpu_export import pack_gptq_qzeros, unpack_gptq_qweight
+from cpu_quant.formats.gptq import pack_gptq_qzeros, unpack_gptq_qweight
 from cpu_quant.verify import inspect_checkpoint, verify_checkpoint
 from cpu_quant.verify.commands import inspect as inspect_cmd
 from cpu_quant.verify.commands import verify as verify_cmd
@@ -42,13 +42,12 @@ def good(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     except pytest.FixtureLookupError:
         pass
     from cpu_quant.models.demo import demo_model_path
-    from cpu_quant.quantize.gptq_cpu_export import GPTQLayout
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     dst = tmp_path_factory.mktemp("verify") / "good"
     quantize_checkpoint(demo_model_path(), dst,
                         QuantSettings(method="rtn", calib="none", scale_search=False),
-                        GPTQLayout(), progress=False)
+                        progress=False)
     return dst
 
 
@@ -356,7 +355,7 @@ def test_inspect_foreign_bf16_head() -> None:
     assert report.bits_per_weight == pytest.approx(4 + 16 / 32)  # fp16 scales, group 32
 
 
-# -- cpu_int4 (written here from the documented layout; issue 3 owns the real writer) --------------
+# -- cpu_int4 (written here from the documented layout, independently of formats/cpu_int4.py) ---------
 @pytest.fixture(scope="module")
 def cpu_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GPTQModel v1 fixture repacked into the cpu_int4 layout (symmetric: zero 0)."""

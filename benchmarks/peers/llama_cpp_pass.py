@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))  # the project's one RssAnon reader (stdlib only)
     import llama_cpp
 
-    from cpu_quant.runtime_patches.memory import anon_rss_bytes
+    from cpu_quant.memory import anon_rss_bytes
 
     threads = len(os.sched_getaffinity(0))
     t0 = time.perf_counter()

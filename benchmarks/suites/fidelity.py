@@ -27,7 +27,12 @@ is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVA
 ``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
 ``quantize`` suite) instead of building it: admitted only if its ``quantization_report.json``
 (cpu-quant) or ``gptqmodel_run.json`` (GPTQModel: same calibration windows by sha256, same
-groups, head and symmetry) matches the arm, and hashed into the provenance like any artifact.
+groups, head and symmetry) matches the arm.
+
+Every pass records the digest of the weights it scored (``records[].artifacts["artifact"]``,
+also in ``provenance.artifacts`` as ``ARM/pass-N/artifact``): ``provenance.artifact_digest``
+over the artifact's tensor files and ``config.json`` only, so it equals the digest the
+``quantize`` suite recorded for the same weights, whichever run wrote their report.
 
 Metrics: ``kl_mean`` (nats, lower), ``ppl_delta`` (quantized − reference perplexity, lower),
 ``top1_agreement`` (higher), ``greedy_prefix_fraction`` (higher), ``greedy_exact`` (prompts
@@ -123,12 +128,13 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
     """
     import re
 
-    from cpu_quant.eval.dequantized import reader_for
+    from cpu_quant.formats import format_for_quant_method
     from cpu_quant.io.checkpoint import open_checkpoint
 
     qck, src = open_checkpoint(artifact), open_checkpoint(source)
     qcfg = qck.config.get("quantization_config") or {}
-    marker, _, reader = reader_for(qcfg["quant_method"])
+    fmt = format_for_quant_method(qcfg["quant_method"])
+    marker = fmt.marker
     sig: dict[str, float] = {}
     err: dict[str, float] = {}
     for name in qck.names:
@@ -137,7 +143,7 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
         module = name[: -len(marker) - 1]
         m = re.search(r"\.layers\.(\d+)\.", module)
         key = m.group(1) if m else module
-        w_hat = reader(qck, module, qcfg).float()
+        w_hat = fmt.dequantize(fmt.read_tensors(qck, module), qcfg).float()
         src_name = f"{module}.weight"
         if src_name not in src.files and module == "lm_head":
             src_name = "model.embed_tokens.weight"  # tied head

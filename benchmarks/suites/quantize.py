@@ -134,6 +134,7 @@ def write_calibration_windows(src: Path, settings: dict, path: Path) -> Path:
 
 def matched_dynamic(src: Path, group: int) -> dict:
     """The ``dynamic`` rules cpu-quant's plan gives this model's decoder linears (head excluded)."""
+    from cpu_quant.formats import get_format
     from cpu_quant.io.checkpoint import open_checkpoint
     from cpu_quant.quantize.plan import dynamic_overrides, plan_linear
 
@@ -142,7 +143,8 @@ def matched_dynamic(src: Path, group: int) -> dict:
     for name in ckpt.names:
         if ".layers." in name and name.endswith("_proj.weight") and len(ckpt.shape(name)) == 2:
             out_f, in_f = ckpt.shape(name)
-            plans.append(plan_linear(name[: -len(".weight")], in_f, out_f, group, False))
+            plans.append(plan_linear(name[: -len(".weight")], in_f, out_f, group, False,
+                                     get_format("gptq").limits))
     ckpt.close()
     return dynamic_overrides([p for p in plans if p.quantize or p.reason], group)
 

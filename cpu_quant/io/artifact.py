@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
+from .safetensors_writer import write_safetensors
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -125,34 +126,13 @@ class StagedOutput:
         return self.staging / name
 
     def write_json(self, name: str, obj: object) -> None:
-        tmp = self.path(name + ".tmp")
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path(name))
+        write_json_atomic(self.path(name), obj)
 
     def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save
-
-        # serialise in memory and write with Python I/O, so a full disk is a plain OSError
-        data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-        tmp = self.path(name + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path(name))
+        write_safetensors(self.path(name), tensors)
 
     def copy_tokenizer_files(self, src: Path) -> list[str]:
-        copied = []
-        for fname in TOKENIZER_FILES:
-            f = src / fname
-            if f.is_file():
-                try:
-                    f.resolve().relative_to(src.resolve())
-                except ValueError:
-                    raise CpuQuantError(f"{f} points outside the checkpoint directory") from None
-                shutil.copyfile(f, self.path(fname))
-                copied.append(fname)
-        return copied
+        return copy_tokenizer_files(src, self.staging)
 
     def commit(self) -> Path:
         try:
@@ -170,7 +150,32 @@ class StagedOutput:
 
 
 def write_shard_index(out: StagedOutput, shards: dict[str, list[str]], total_size: int) -> None:
-    """``model.safetensors.index.json`` mapping every tensor to its shard file."""
+    write_shard_index_at(out.staging, shards, total_size)
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def copy_tokenizer_files(src: Path, dst_dir: Path) -> list[str]:
+    """Copy the source's tokenizer files (those inside the checkpoint directory) to ``dst_dir``."""
+    copied = []
+    for fname in TOKENIZER_FILES:
+        f = src / fname
+        if f.is_file():
+            try:
+                f.resolve().relative_to(src.resolve())
+            except ValueError:
+                raise CpuQuantError(f"{f} points outside the checkpoint directory") from None
+            shutil.copyfile(f, dst_dir / fname)
+            copied.append(fname)
+    return copied
+
+
+def write_shard_index_at(directory: Path, shards: dict[str, list[str]], total_size: int) -> None:
+    """``model.safetensors.index.json`` in ``directory``, mapping every tensor to its shard."""
     weight_map = {name: shard for shard, names in shards.items() for name in names}
-    out.write_json("model.safetensors.index.json",
-                   {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+    write_json_atomic(directory / "model.safetensors.index.json",
+                      {"metadata": {"total_size": total_size},
+                       "weight_map": dict(sorted(weight_map.items()))})

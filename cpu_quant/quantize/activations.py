@@ -22,9 +22,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..errors import CpuQuantError
+from ..io.safetensors_writer import write_safetensors
 
 ACTIVATIONS_DIR = "activations"
 
@@ -55,7 +56,7 @@ class DiskActivations:
         return store
 
     def append(self, h: torch.Tensor) -> None:
-        save_file({"h": h.contiguous()}, str(self._file(self.count)))
+        write_safetensors(self._file(self.count), {"h": h})
         self.count += 1
 
     def __len__(self) -> int:
@@ -86,3 +87,30 @@ class Discard(list):
 
     def append(self, _item) -> None:
         pass
+
+
+def one_slab(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same values as views of one tensor: one large block, mapped and unmapped whole.
+    Sixteen separate 4.7 MB blocks (the demo model's activations at 128 x 512), made among a
+    layer's short-lived temporaries and kept to the next layer, fragmented the heap
+    (docs/reliability.md#memory)."""
+    if not tensors:
+        return tensors
+    rows = [t.shape[:-1].numel() for t in tensors]
+    slab = torch.empty(sum(rows), tensors[0].shape[-1], dtype=tensors[0].dtype)
+    views, start = [], 0
+    for t, n in zip(tensors, rows, strict=True):
+        view = slab[start:start + n].view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        start += n
+    return views
+
+
+def in_place(outputs: Iterable[torch.Tensor], hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's outputs written over its inputs, batch by batch: each output is made after
+    its batch's input was last read (the passes go batch by batch), and the run's resume point
+    is the copy on disk, not this one. So the next layer's activations take no second copy."""
+    for b, out in enumerate(outputs):
+        hidden[b].copy_(out)
+    return hidden

@@ -6,12 +6,14 @@ Rules, in the spirit of llama.cpp's ``llama_tensor_get_type``:
 * the output head (``lm_head``) is quantized unless ``--no-lm-head`` (it is the most sensitive
   tensor and, left bf16, the costliest GEMM of a decode step);
 * the input embedding and all norms stay bf16;
-* group size: the requested one when it divides the in-features; otherwise the largest group
-  vLLM's CPU kernels accept (64, 32) that does, recorded as a per-module ``dynamic`` override so
-  that vLLM loads it (``--strict-group`` refuses instead); ``-1`` (one group per row) when
-  nothing divides;
-* a linear whose in- or out-features is not a multiple of 32 stays bf16: ``cpu_gemm_wna16``
-  cannot take it. It is recorded as a negative ``dynamic`` rule so vLLM leaves it unquantized.
+* the plan asks the requested formats what they can hold (``formats.combined_limits``): their
+  groups, whether one group per row is stored, and the dimension multiples of their kernels;
+* group size: the requested one when it divides the in-features; otherwise the largest stored
+  group below it that does, recorded as a per-module ``dynamic`` override so that vLLM loads
+  it (``--strict-group`` refuses instead); ``-1`` (one group per row) when nothing divides and
+  the formats store it;
+* a linear whose in- or out-features is not a multiple the formats' kernels need stays bf16.
+  It is recorded as a negative ``dynamic`` rule so vLLM leaves it unquantized.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..errors import CpuQuantError
+from ..formats.base import Limits
 
-VLLM_GROUPS = (128, 64, 32)  # and -1
-DIM_MULTIPLE = 32
 # vLLM fuses these HF projections into one module; its `dynamic` regexes see the fused name.
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 HEAD_NAME = "lm_head"
@@ -43,29 +44,42 @@ class LinearPlan:
         return self.in_features if self.group_size == -1 else self.group_size
 
 
-def choose_group(name: str, in_features: int, requested: int, strict: bool) -> tuple[int, str]:
+def choose_group(name: str, in_features: int, requested: int, strict: bool, limits: Limits
+                 ) -> tuple[int, str]:
     if requested == -1 or in_features % requested == 0:
         return requested, ""
     if strict:
         raise CpuQuantError(f"--strict-group: group {requested} does not divide the in-features "
                             f"{in_features} of {name}")
-    for g in VLLM_GROUPS:
+    for g in limits.groups:
         if g < requested and in_features % g == 0:
             return g, f"group {requested} does not divide in-features {in_features}; using {g}"
-    return -1, f"no accepted group divides in-features {in_features}; one group per row"
+    if limits.row_group:
+        return -1, f"no accepted group divides in-features {in_features}; one group per row"
+    raise CpuQuantError(f"{name}: no group that {limits.kernel} takes divides its in-features "
+                        f"{in_features}")
+
+
+def check_group(flag: str, group: int, limits: Limits) -> None:
+    """Refuse, before any work, a group the requested formats cannot store."""
+    if group == -1 and limits.row_group:
+        return
+    if group not in limits.groups:
+        accepted = ", ".join(map(str, ((*limits.groups, -1) if limits.row_group
+                                       else limits.groups)))
+        raise CpuQuantError(f"{flag} {group} is not stored by {limits.kernel}: {flag} must be "
+                            f"one of {accepted}")
 
 
 def plan_linear(name: str, in_features: int, out_features: int, group_size: int,
-                strict_group: bool, quantize: bool = True) -> LinearPlan:
-    if group_size not in (*VLLM_GROUPS, -1):
-        raise CpuQuantError(f"--group must be one of 32, 64, 128 or -1 (vLLM's CPU kernels); "
-                            f"got {group_size}")
+                strict_group: bool, limits: Limits, quantize: bool = True) -> LinearPlan:
     if not quantize:
         return LinearPlan(name, in_features, out_features, False, group_size, "kept bf16 by request")
-    if in_features % DIM_MULTIPLE or out_features % DIM_MULTIPLE:
+    if in_features % limits.k_multiple or out_features % limits.n_multiple:
         return LinearPlan(name, in_features, out_features, False, group_size,
-                          f"dims {out_features}x{in_features} are not multiples of {DIM_MULTIPLE}")
-    g, reason = choose_group(name, in_features, group_size, strict_group)
+                          f"dims {out_features}x{in_features} are not multiples of "
+                          f"{limits.n_multiple}x{limits.k_multiple}")
+    g, reason = choose_group(name, in_features, group_size, strict_group, limits)
     return LinearPlan(name, in_features, out_features, True, g, reason)
 
 

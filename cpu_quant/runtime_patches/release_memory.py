@@ -32,8 +32,6 @@ Switch: ``CPU_QUANT_PATCH_RELEASE_MEMORY=0``.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import importlib.abc
 import importlib.machinery
@@ -45,8 +43,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ..memory import allocator_releasers, anon_rss_bytes
 from . import PatchOutcome, log_outcome
-from .memory import anon_rss_bytes
 
 NAME = "release_memory"
 ENV_SWITCH = "CPU_QUANT_PATCH_RELEASE_MEMORY"
@@ -67,69 +65,6 @@ class ReleaseReport:
     rss_anon_before: int
     rss_anon_after: int
     allocators: tuple[str, ...]
-
-
-def allocator_releasers() -> dict[str, Callable[[], None]]:
-    """The free-memory release calls reachable in this process, by allocator name."""
-    return dict(_allocator_releasers())
-
-
-@functools.lru_cache(maxsize=1)
-def _allocator_releasers() -> dict[str, Callable[[], None]]:
-    # Looked up once per process: ``ctypes.util.find_library`` runs ``ldconfig -p`` in a child
-    # process, and the quantizer releases memory after every layer. A fork of a large process
-    # also shows, for an instant, as a second copy of its anonymous memory to anything that sums
-    # RssAnon over the process tree (measured: one-off "peaks" of 1.16 and 1.29 GB in the memory
-    # benchmark where the real peak was 0.8 GB).
-    found: dict[str, Callable[[], None]] = {}
-    process = ctypes.CDLL(None)
-    # tcmalloc (gperftools, full or minimal) exports this C entry point; it is only present
-    # when the library is loaded, e.g. through LD_PRELOAD.
-    tcmalloc_release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
-    if tcmalloc_release is not None:
-        tcmalloc_release.restype = None
-        tcmalloc_release.argtypes = []
-        found["tcmalloc"] = tcmalloc_release
-    # not glibc (e.g. musl): nothing to trim there
-    malloc_trim = getattr(_libc(), "malloc_trim", None)
-    if malloc_trim is not None:
-        malloc_trim.restype = ctypes.c_int
-        malloc_trim.argtypes = [ctypes.c_size_t]
-        found["glibc"] = functools.partial(malloc_trim, 0)
-    return found
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-def pin_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc malloc's mmap threshold at ``nbytes`` for the rest of the process.
-
-    By default glibc raises the threshold (up to 32 MiB) each time a memory-mapped block is freed,
-    so that repeated large allocations move onto the heap. A long run of identical steps then
-    fragments the heap: its size grows while the bytes in use stay constant, and a step's freed
-    blocks stay resident until the next ``malloc_trim``. Pinning the threshold turns off that
-    adjustment: blocks of ``nbytes`` and more are mapped and unmapped on their own. Returns
-    whether it was applied: not where the allocator is not glibc, nor where the user set
-    ``MALLOC_MMAP_THRESHOLD_`` (theirs wins)."""
-    import os
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.restype = ctypes.c_int
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 def release_free_memory(stage: str) -> ReleaseReport:

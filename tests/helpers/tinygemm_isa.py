@@ -30,7 +30,7 @@ def random_module(n: int, k: int, group: int, seed: int = 0):
 def isa_check() -> dict:
     """Our packer, reader, in-place repack (whole and one-block chunks) and kernel-layout
     dequantization, each against ``_convert_weight_to_int4pack_for_cpu``, bit-exact."""
-    from cpu_quant.quantize import tinygemm_pack as tp
+    from cpu_quant.formats import cpu_int4 as tp
 
     layout = tp.kernel_layout()
     for n, k in ISA_SHAPES:

@@ -1,4 +1,4 @@
-"""The ``cpu_int4`` layout: W4A16 checkpoints for PyTorch's tinygemm CPU kernel.
+"""``cpu_int4``: W4A16 checkpoints for PyTorch's tinygemm CPU kernel.
 
 The kernel is ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)``
 (bf16 activations, 4-bit weights, float32 accumulation, bf16 output). Its packed weight depends
@@ -68,14 +68,13 @@ being mis-read.
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import CpuQuantError
-from .grid import QZERO, GroupQuant
+from ..quantize.grid import QZERO, GroupQuant
+from .base import ArtifactInfo, Limits, SafetensorsFormat, TensorSpec
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
@@ -167,21 +166,70 @@ def cpu_int4_quantization_config(group_size: int, lm_head: bool, dynamic: dict[s
     return cfg
 
 
-class CpuInt4Layout:
-    """The layout object the quantization pipeline writes through (see ``GPTQLayout``)."""
+class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
+    quant_methods = (QUANT_METHOD,)
+    # the tinygemm kernel has no one-group-per-row mode; -1 is read only where K is a kernel group
+    limits = Limits(groups=(128, 64, 32), row_group=False, k_multiple=32, n_multiple=32,
+                    stores_zeros=True, kernel="torch's tinygemm kernel (_weight_int4pack_mm_for_cpu)")
+    # what verify accepts: every group the kernel takes, and any even K / row count it tiles
+    verify_groups = KERNEL_GROUPS
+    verify_k_multiple, verify_n_multiple = 2, 1
+    tensors = (
+        TensorSpec("weight_packed", ("U8",), lambda n, k, g, b: (n, k // 2)),
+        TensorSpec("weight_scale", ("BF16",), lambda n, k, g, b: (n, g)),
+        TensorSpec("weight_zero", ("BF16",), lambda n, k, g, b: (n, g)),
+    )
+    marker = "weight_packed"
+    scales_suffix, scales_group_axis = "weight_scale", 1
+    head_kernel = "the tinygemm W4A16 kernel"
 
-    name = QUANT_METHOD
+    def dims_from_marker(self, shape: tuple[int, ...], bits: int) -> tuple[int, int]:
+        return shape[0], shape[1] * 2
 
-    def __init__(self, symmetric: bool = False) -> None:
-        self.symmetric = symmetric
+    def pack(self, gq: GroupQuant, module: str = "module") -> dict[str, torch.Tensor]:
+        return cpu_int4_module_tensors(gq, module)
 
-    def module_tensors(self, module: str, gq: GroupQuant) -> dict[str, torch.Tensor]:
-        return {f"{module}.{k}": v for k, v in cpu_int4_module_tensors(gq, module).items()}
+    def unpack(self, tensors: dict[str, torch.Tensor], qcfg: dict, module: str = "module"
+               ) -> GroupQuant:
+        _check_format_version(qcfg)
+        codes = unpack_codes(tensors["weight_packed"])
+        n, k = codes.shape
+        scales = tensors["weight_scale"].to(torch.float32)
+        zeros = tensors["weight_zero"].to(torch.float32)
+        groups = scales.shape[1]
+        if scales.shape != (n, groups) or zeros.shape != (n, groups) or not groups or k % groups:
+            raise CpuQuantError(f"{module}: cpu_int4 tensors disagree: weight_packed "
+                                f"{list(tensors['weight_packed'].shape)}, weight_scale "
+                                f"{list(scales.shape)}, weight_zero {list(zeros.shape)}")
+        return GroupQuant(codes, scales, None if not bool(zeros.any()) else zeros, k // groups)
 
-    def quantization_config(self, group_size: int, head_quantized: bool,
-                            dynamic: dict[str, dict], extra: dict) -> dict:
-        return cpu_int4_quantization_config(group_size, head_quantized, dynamic, self.symmetric,
-                                            extra)
+    def dequantize(self, tensors: dict[str, torch.Tensor], qcfg: dict) -> torch.Tensor:
+        _check_format_version(qcfg)
+        return dequantize_cpu_int4(tensors["weight_packed"], tensors["weight_scale"],
+                                   tensors["weight_zero"])
+
+    def quantization_config(self, info: ArtifactInfo) -> dict:
+        return cpu_int4_quantization_config(info.default_group, info.head_quantized, info.dynamic,
+                                            info.symmetric, info.extra)
+
+    def module_findings(self, ctx):
+        """With sym true, every weight_zero must be 0."""
+        from ..verify.findings import error
+
+        for mod in ctx.modules.values():
+            tname = mod.tensors.get("weight_zero")
+            if tname is None or mod.params is None or not mod.params.sym:
+                continue
+            nonzero = int(torch.count_nonzero(ctx.ckpt.tensor(tname)))
+            if nonzero:
+                yield error("zero-convention", tname, f"sym is true, but {nonzero} group zeros "
+                            "are not 0")
+
+
+def _check_format_version(qcfg: dict) -> None:
+    if int(qcfg.get("format_version", FORMAT_VERSION)) != FORMAT_VERSION:
+        raise CpuQuantError(f"cpu_int4 format_version {qcfg.get('format_version')} is not "
+                            f"supported (this cpu_quant reads {FORMAT_VERSION})")
 
 
 # -- the kernel layout ----------------------------------------------------------------------
@@ -274,7 +322,7 @@ def kernel_layout() -> KernelLayout:
     if len(matches) != 1:
         raise CpuQuantError(f"torch {torch.__version__} packs int4 weights for the {isa} path in a "
                             "layout cpu_quant does not know; refusing to read it (see "
-                            "quantize/tinygemm_pack.py)")
+                            "formats/cpu_int4.py)")
     found = KernelLayout(isa, matches[0].block_n, matches[0].full_block)
     expected = _EXPECTED.get(isa)
     if expected is not None and expected != (found.block_n, found.full_block):
@@ -337,139 +385,3 @@ def dequantize_chunks(packed: torch.Tensor) -> list[tuple[int, int]]:
     n, half = packed.shape
     rows = _chunk_rows(half * 2, kernel_layout().block_n)
     return [(r, min(n, r + rows)) for r in range(0, n, rows)]
-
-
-# -- GPTQ -> cpu_int4 (one quantization, two layouts) -------------------------------------------
-@dataclass
-class ConvertReport:
-    source: str
-    output: str
-    modules: int
-    groups: dict[str, int] = field(default_factory=dict)  # group size -> modules
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def _check_symmetric_gptq(ckpt, qcfg: dict, modules: list[str]) -> None:
-    from .gptq_cpu_export import unpack_gptq_qzeros, zero_offset
-
-    if qcfg.get("quant_method") != "gptq":
-        raise CpuQuantError(f"{ckpt.path} is not a GPTQ checkpoint "
-                            f"(quant_method {qcfg.get('quant_method')!r})")
-    if int(qcfg.get("bits", 0)) != 4:
-        raise CpuQuantError(f"only 4-bit GPTQ converts to cpu_int4 (bits {qcfg.get('bits')})")
-    if qcfg.get("sym") is not True:
-        raise CpuQuantError(f"{ckpt.path} is not a symmetric GPTQ checkpoint (sym "
-                            f"{qcfg.get('sym')!r}); only symmetric GPTQ repacks losslessly")
-    if qcfg.get("desc_act"):
-        raise CpuQuantError("GPTQ with desc_act (act-order g_idx) cannot be repacked")
-    if not modules:
-        raise CpuQuantError(f"{ckpt.path} holds no GPTQ modules (no *.qweight tensors)")
-    try:
-        offset = zero_offset(qcfg.get("checkpoint_format", "gptq"))
-    except ValueError as exc:
-        raise CpuQuantError(str(exc)) from None
-    for m in modules:
-        zeros = unpack_gptq_qzeros(ckpt.tensor(f"{m}.qzeros")) + offset
-        if not bool((zeros == QZERO).all()):
-            raise CpuQuantError(f"{m}: qzeros are not all {QZERO}: the checkpoint is not "
-                                "symmetric, so it does not repack losslessly")
-
-
-def convert_gptq_to_cpu_int4(src: str | Path, dst: str | Path, overwrite: bool = False
-                             ) -> ConvertReport:
-    """Repack a symmetric 4-bit GPTQ checkpoint as cpu_int4, bit-exactly (zero = 0).
-
-    The codes and bf16 scales are carried over unchanged, every other tensor is copied, the
-    sharding is kept, and ``quantization_config`` is rewritten. Everything is checked before
-    anything is written; output appears at ``dst`` only when complete.
-    """
-    from ..io.artifact import StagedOutput, write_shard_index
-    from ..io.checkpoint import open_checkpoint
-    from .gptq_cpu_export import unpack_gptq_qweight
-
-    ckpt = open_checkpoint(src)
-    qcfg = ckpt.config.get("quantization_config") or {}
-    modules = sorted(n[: -len(".qweight")] for n in ckpt.names if n.endswith(".qweight"))
-    _check_symmetric_gptq(ckpt, qcfg, modules)
-    groups: dict[str, int] = {}
-    for m in modules:
-        k8, n = ckpt.shape(f"{m}.qweight")
-        g = k8 * 8 // ckpt.shape(f"{m}.scales")[0]
-        check_kernel_shape(m, n, k8 * 8, g)
-        if f"{m}.g_idx" in ckpt.files:
-            g_idx = ckpt.tensor(f"{m}.g_idx")
-            if not torch.equal(g_idx.to(torch.int64), torch.arange(k8 * 8) // g):
-                raise CpuQuantError(f"{m}: g_idx is not k // {g} (act-order); cannot repack")
-        groups[str(g)] = groups.get(str(g), 0) + 1
-
-    owned = {f"{m}.{s}" for m in modules for s in ("qweight", "qzeros", "scales", "g_idx")}
-    by_file: dict[Path, list[str]] = {}
-    for name, file in ckpt.files.items():
-        by_file.setdefault(file, []).append(name)
-    shard_names: dict[str, list[str]] = {}
-    total = 0
-    with StagedOutput(dst, overwrite=overwrite) as out:
-        for file, names in sorted(by_file.items()):
-            tensors: dict[str, torch.Tensor] = {}
-            for name in names:
-                if name.endswith(".qweight"):
-                    m = name[: -len(".qweight")]
-                    codes = unpack_gptq_qweight(ckpt.tensor(name))
-                    scales = ckpt.tensor(f"{m}.scales").to(torch.bfloat16).t().contiguous()
-                    tensors[f"{m}.weight_packed"] = pack_codes(codes)
-                    tensors[f"{m}.weight_scale"] = scales
-                    tensors[f"{m}.weight_zero"] = torch.zeros_like(scales)
-                elif name not in owned:
-                    tensors[name] = ckpt.tensor(name)
-            out.write_tensors(file.name, tensors)
-            shard_names[file.name] = sorted(tensors)
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-        write_shard_index(out, shard_names, total)
-        config = dict(ckpt.config)
-        extra = {k: qcfg[k] for k in ("quantizer", "damp_percent", "cpu_quant") if k in qcfg}
-        extra["converted_from"] = "gptq"
-        config["quantization_config"] = cpu_int4_quantization_config(
-            int(qcfg.get("group_size", 128)), bool(qcfg.get("lm_head", False)),
-            dict(qcfg.get("dynamic") or {}), True, extra)
-        out.write_json("config.json", config)
-        out.copy_tokenizer_files(ckpt.path)
-        report_src = ckpt.path / "quantization_report.json"
-        report = ConvertReport(str(ckpt.path), str(out.dst), len(modules), groups)
-        if report_src.is_file():
-            data = json.loads(report_src.read_text())
-            data["layout"] = QUANT_METHOD
-            data["converted"] = report.as_dict()
-            out.write_json("quantization_report.json", data)
-        final = out.commit()
-    ckpt.close()
-    report.output = str(final)
-    return report
-
-
-# -- the reader for ``cpu-quant eval`` (eval/dequantized.py) -----------------------------------
-def read_cpu_int4_module(ckpt, module: str, qcfg: dict) -> torch.Tensor:
-    """One module of a cpu_int4 checkpoint, dequantized to float32 [N, K] as stored."""
-    if int(qcfg.get("format_version", FORMAT_VERSION)) != FORMAT_VERSION:
-        raise CpuQuantError(f"cpu_int4 format_version {qcfg.get('format_version')} is not "
-                            f"supported (this cpu_quant reads {FORMAT_VERSION})")
-    return dequantize_cpu_int4(ckpt.tensor(f"{module}.weight_packed"),
-                               ckpt.tensor(f"{module}.weight_scale"),
-                               ckpt.tensor(f"{module}.weight_zero"))
-
-
-def _register_eval_reader() -> None:
-    from ..eval.dequantized import register_reader
-
-    register_reader(QUANT_METHOD, "weight_packed", TENSORS, read_cpu_int4_module)
-
-
-_register_eval_reader()
-
-__all__ = [
-    "CpuInt4Layout", "KernelLayout", "QUANT_METHOD", "TENSORS", "check_kernel_shape",
-    "convert_gptq_to_cpu_int4", "cpu_int4_module_tensors", "dequantize_cpu_int4",
-    "dequantize_kernel_rows", "kernel_layout", "pack_codes", "repack_to_kernel_",
-    "scale_zero_storage", "torch_pack", "unpack_codes",
-]

@@ -1,0 +1,32 @@
+"""On-disk formats, one module each, behind one registry (``base.py``).
+
+* ``gptq``: GPTQ v1 safetensors for vLLM's CPU kernels (and GPTQModel, transformers/optimum);
+* ``cpu_int4``: portable nibbles for PyTorch's tinygemm CPU kernel, repacked at load;
+* ``gguf``: a llama.cpp GGUF file with Q4_0 blocks, the same grid as ``gptq``.
+
+Each module owns its byte layout (its docstring), ``pack``/``unpack``, the tensor specs
+``verify`` checks, the config or metadata it writes, and its limits. Nothing outside this
+package branches on which format it holds: it asks the registry.
+"""
+
+from __future__ import annotations
+
+from . import cpu_int4, gptq  # noqa: F401  (registration)
+from .base import (
+    ArtifactInfo,
+    Format,
+    Limits,
+    SafetensorsFormat,
+    Sink,
+    TensorSpec,
+    combined_limits,
+    format_for_quant_method,
+    format_names,
+    get_format,
+    parse_formats,
+)
+
+__all__ = [
+    "ArtifactInfo", "Format", "Limits", "SafetensorsFormat", "Sink", "TensorSpec",
+    "combined_limits", "format_for_quant_method", "format_names", "get_format", "parse_formats",
+]

@@ -1,0 +1,119 @@
+"""``convert``: any safetensors format to any other, through ``unpack``/``pack``, bit-exactly.
+
+Every module is unpacked to its :class:`GroupQuant`, packed into the target format, unpacked
+again and dequantized: the result must equal the source's dequantization bit for bit, or the
+conversion is refused with the module and the reason (a zero the target cannot hold, a shape or
+group its kernel does not take, a scale its dtype rounds). Everything is checked before anything
+is written, and the output appears at ``dst`` only when complete. The sharding is kept, every
+other tensor is copied, and ``quantization_config`` is the target format's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuQuantError
+from ..io.artifact import StagedOutput, write_shard_index
+from ..io.checkpoint import open_checkpoint
+from ..quantize.grid import GroupQuant
+from .base import ArtifactInfo, SafetensorsFormat, format_for_quant_method, get_format
+from .safetensors_sink import artifact_config
+
+
+@dataclass
+class ConvertReport:
+    source: str
+    output: str
+    source_format: str
+    target_format: str
+    modules: int
+    groups: dict[str, int] = field(default_factory=dict)  # group size -> modules
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _exact(module: str, gq: GroupQuant, target: SafetensorsFormat, tensors: dict, qcfg: dict
+           ) -> None:
+    back = target.unpack(tensors, qcfg, module)
+    if not torch.equal(back.dequantize(), gq.dequantize()):
+        raise CpuQuantError(f"{module}: {target.name} cannot hold these weights exactly (its "
+                            "stored scales or zeros round them); not converted")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False
+                       ) -> ConvertReport:
+    ckpt = open_checkpoint(src)
+    qcfg = ckpt.config.get("quantization_config") or {}
+    source = format_for_quant_method(qcfg.get("quant_method"))
+    if source is None:
+        raise CpuQuantError(f"{ckpt.path} is not a checkpoint of a format convert reads "
+                            f"(quant_method {qcfg.get('quant_method')!r})")
+    target = get_format(to)
+    if not isinstance(target, SafetensorsFormat):
+        raise CpuQuantError(f"convert writes safetensors formats; {to} is written by "
+                            "`cpu-quant gptq --format` from the calibrated run")
+    if int(qcfg.get("bits", 4)) != 4:
+        raise CpuQuantError(f"only 4-bit checkpoints convert (bits {qcfg.get('bits')})")
+    modules = source.modules(ckpt)
+    if not modules:
+        raise CpuQuantError(f"{ckpt.path} holds no quantized modules (no *.{source.marker} tensors)")
+    symmetric = True
+    groups: dict[str, int] = {}
+    converted: dict[str, dict[str, torch.Tensor]] = {}
+    target_cfg = {"format_version": 1}
+    for m in modules:
+        gq = source.unpack(source.read_tensors(ckpt, m), qcfg, m)
+        if gq.zeros is not None:
+            symmetric = False
+            if not target.limits.stores_zeros:
+                raise CpuQuantError(f"{m}: the stored zero points are not all 8 (an asymmetric "
+                                    f"grid); {target.name} holds only the symmetric grid")
+        tensors = target.pack(gq, m)
+        _exact(m, gq, target, tensors, target_cfg)
+        converted[m] = tensors
+        groups[str(gq.group_size)] = groups.get(str(gq.group_size), 0) + 1
+
+    owned = {f"{m}.{s}" for m in modules for s in source.suffixes}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in ckpt.files.items():
+        by_file.setdefault(file, []).append(name)
+    shard_names: dict[str, list[str]] = {}
+    total = 0
+    with StagedOutput(dst, overwrite=overwrite) as out:
+        for file, names in sorted(by_file.items()):
+            tensors: dict[str, torch.Tensor] = {}
+            for name in names:
+                if name.endswith("." + source.marker) and name[: -len(source.marker) - 1] in converted:
+                    m = name[: -len(source.marker) - 1]
+                    tensors.update({f"{m}.{k}": v for k, v in converted[m].items()})
+                elif name not in owned:
+                    tensors[name] = ckpt.tensor(name)
+            out.write_tensors(file.name, tensors)
+            shard_names[file.name] = sorted(tensors)
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        write_shard_index(out, shard_names, total)
+        extra = {k: qcfg[k] for k in ("quantizer", "damp_percent", "cpu_quant") if k in qcfg}
+        extra["converted_from"] = source.name
+        info = ArtifactInfo(ckpt.path, ckpt.config, int(qcfg.get("group_size", 128)),
+                            bool(qcfg.get("lm_head", False)), dict(qcfg.get("dynamic") or {}),
+                            symmetric, extra)
+        config = artifact_config(ckpt.config, target.quantization_config(info), False)
+        out.write_json("config.json", config)
+        out.copy_tokenizer_files(ckpt.path)
+        report = ConvertReport(str(ckpt.path), str(out.dst), source.name, target.name,
+                               len(modules), groups)
+        report_src = ckpt.path / "quantization_report.json"
+        if report_src.is_file():
+            data = json.loads(report_src.read_text())
+            data["layout"] = target.name
+            data["converted"] = report.as_dict()
+            out.write_json("quantization_report.json", data)
+        final = out.commit()
+    ckpt.close()
+    report.output = str(final)
+    return report

@@ -1,0 +1,72 @@
+"""What a quantization run is asked to do (:class:`QuantSettings`) and what it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import CpuQuantError
+
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class QuantSettings:
+    method: str = "gptq"
+    group_size: int = 128
+    scale_search: bool = True
+    act_order: bool = True  # static groups: the saved layout is the same either way
+    damp: float = 0.01
+    quantize_head: bool = True
+    head_group: int | None = None  # None: same rule as every other module
+    strict_group: bool = False
+    calib: str | None = None  # None = built-in corpus; "none" = data-free (RTN only)
+    samples: int = 128
+    seqlen: int = 512
+    batch_size: int = 8
+    # calibration activations on disk between layers (same artifact, less memory, more I/O)
+    offload_activations: bool = False
+    symmetric: bool = True  # the grid: zero pinned at 8, or a free zero per group
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise CpuQuantError(f"--method must be one of {', '.join(METHODS)}")
+        if self.method == "gptq" and self.calib == "none":
+            raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
+        if not 0 < self.damp <= 1:
+            raise CpuQuantError("--damp must be in (0, 1]")
+
+    @property
+    def data_free(self) -> bool:
+        return self.calib == "none"
+
+
+@dataclass
+class TensorReport:
+    name: str
+    shape: list[int]
+    group_size: int
+    weighted_snr_db: float
+    damp: float | None = None
+    damp_raised: bool = False
+
+
+@dataclass
+class QuantReport:
+    settings: dict
+    layout: str
+    tensors: list[TensorReport] = field(default_factory=list)
+    layer_seconds: list[float] = field(default_factory=list)
+    head_seconds: float = 0.0
+    total_seconds: float = 0.0
+    calibration_tokens: int = 0
+    plan_notes: list[str] = field(default_factory=list)
+    bits_per_weight: float = 0.0
+    bits_per_weight_on_disk: float = 0.0
+    head_quantized: bool = False
+    true_sequential_layers: int = 0  # the others: two passes (sequential.py)
+    # summed over the layers: "quantize" (GPTQ/RTN and the scale search), "hessians" (XᵀX,
+    # true-sequential layers); the rest of layer_seconds is the layer's forward passes and I/O
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    fidelity: dict | None = None
+    provenance: dict = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)
