@@ -284,7 +284,7 @@ def test_llama_cpp_runs_our_gguf_of_the_demo_model(demo_src: Path, tmp_path: Pat
     py = _llama_cpp_python()
     if py is None:
         pytest.skip("llama-cpp-python peer venv not built (python -m benchmarks.peers.llama_cpp_env)")
-    path, quant, floats = write_gguf(demo_src, tmp_path / "gguf", group=128, scale_search=True)
+    path, quant, floats = write_gguf(demo_src, tmp_path / "gguf", group=128)
     assert [f for f in G.verify(path) if f.severity == "error"] == []
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
               411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 10576, 1601, 260, 2914, 282, 4649, 47]
