@@ -11,7 +11,7 @@ package branches on which format it holds: it asks the registry.
 
 from __future__ import annotations
 
-from . import cpu_int4, gptq  # noqa: F401  (registration)
+from . import cpu_int4, gguf, gptq  # noqa: F401  (registration)
 from .base import (
     ArtifactInfo,
     Format,
