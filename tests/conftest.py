@@ -31,8 +31,8 @@ SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
 # Fixtures that quantize the demo model or start a real runtime: a test using any of them (even
 # through another fixture) belongs to the end-to-end tier.
 E2E_FIXTURES = frozenset({
-    "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact", "uniform_artifact",
-    "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
+    "demo_formats", "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact",
+    "uniform_artifact", "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
     "qnn_w8a16", "quantize_dir", "quantize_result", "fidelity_result", "stream_and_hidden",
 })
 E2E_MARKS = ("e2e", "vllm", "slow")
@@ -83,11 +83,20 @@ def artifacts_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gptq_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
-    """The real main job: calibrated GPTQ, group 128, head quantized (small calibration)."""
-    dst = artifacts_dir / "demo-gptq"
-    run_cli("gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval")
+def demo_formats(demo_src: Path, artifacts_dir: Path) -> Path:
+    """The real main job writing every format from one calibrated run (GPTQ, group 128, head
+    quantized, small calibration): ``DIR/gptq``, ``DIR/cpu_int4``, ``DIR/gguf``. The one
+    quantization of the demo model that the end-to-end tier shares."""
+    dst = artifacts_dir / "demo-formats"
+    run_cli("gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval",
+            "--format", "gptq,cpu_int4,gguf")
     return dst
+
+
+@pytest.fixture(scope="session")
+def gptq_artifact(demo_formats: Path) -> Path:
+    """The main job's GPTQ checkpoint (see ``demo_formats``)."""
+    return demo_formats / "gptq"
 
 
 @pytest.fixture(scope="session")

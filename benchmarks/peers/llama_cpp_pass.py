@@ -36,13 +36,14 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))  # the project's one RssAnon reader (stdlib only)
     import llama_cpp
 
+    from benchmarks.peers.llama_cpp_open import extra_bufts_off, open_model
     from cpu_quant.memory import anon_rss_bytes
 
     threads = len(os.sched_getaffinity(0))
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=model, n_ctx=prompt_len + decode_tokens + 16,
-                          n_batch=prompt_len, n_ubatch=prompt_len, n_threads=threads,
-                          n_threads_batch=threads, seed=0, verbose=False)
+    llm = open_model(model, n_ctx=prompt_len + decode_tokens + 16, n_batch=prompt_len,
+                     n_ubatch=prompt_len, n_threads=threads, n_threads_batch=threads, seed=0,
+                     verbose=False)
     start = time.perf_counter() - t0
     rss = anon_rss_bytes(tree=True)
     vocab = llm.n_vocab()
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
     result = {"start_seconds": start, "rss_anon_bytes": rss, "decode_tok_s": max(decode),
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
               "decode_tokens": decode_tokens, "prompt_len": prompt_len, "n_threads": threads,
-              "llama_cpp_python": llama_cpp.__version__,
+              "llama_cpp_python": llama_cpp.__version__, "extra_bufts_off": extra_bufts_off(),
               "system_info": llama_cpp.llama_print_system_info().decode()}
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result))

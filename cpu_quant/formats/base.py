@@ -153,6 +153,11 @@ class Format:
         """A summary (JSON-able; one printed line per key) of an artifact this format owns."""
         raise NotImplementedError
 
+    def refuse_source(self, source_config: dict) -> str | None:
+        """Why a model with this config.json cannot be written in this format, or None
+        (checked before any work)."""
+        return None
+
     def refuse_grid(self, symmetric: bool) -> str | None:
         """Why this format cannot store the run's grid, or None."""
         if not symmetric and not self.limits.stores_zeros:

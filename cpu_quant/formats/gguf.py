@@ -719,6 +719,16 @@ def inspect(path: Path) -> dict:
             "pre_tokenizer": _field_value(reader, "tokenizer.ggml.pre")}
 
 
+def gguf_file_in(path: Path) -> Path | None:
+    """``path`` itself when it is a ``.gguf`` file; the one ``.gguf`` file of a directory; None."""
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(path.glob("*.gguf"))
+        return files[0] if len(files) == 1 else None
+    return None
+
+
 # -- the format ------------------------------------------------------------------------------
 class GGUFFormat(Format, name="gguf"):
     """llama.cpp's GGUF with Q4_0 linears (see the module docstring for the layout)."""
@@ -739,6 +749,17 @@ class GGUFFormat(Format, name="gguf"):
 
     def open_sink(self, directory: Path, n_layers: int, resume_state: dict | None) -> GGUFSink:
         return GGUFSink(self, directory, n_layers, resume_state)
+
+    def owns(self, path: Path) -> bool:
+        return gguf_file_in(Path(path)) is not None
+
+    def verify_artifact(self, path: Path) -> tuple[list[Finding], int]:
+        file = gguf_file_in(Path(path))
+        quantized = sum(t.tensor_type == Q4_0 for t in _open(file).tensors)
+        return verify(file), quantized
+
+    def inspect_artifact(self, path: Path) -> dict:
+        return inspect(gguf_file_in(Path(path)))
 
     pack = staticmethod(pack_q4_0)
     unpack_blocks = staticmethod(unpack_q4_0)

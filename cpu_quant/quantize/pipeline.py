@@ -233,6 +233,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
     mmap_pinned = pin_mmap_threshold(threshold)
     ckpt = open_checkpoint(src)
+    for fmt in formats:
+        why = fmt.refuse_source(ckpt.config)
+        if why:
+            ckpt.close()
+            raise CpuQuantError(f"--format {fmt.name}: {why}")
     stream = LayerStream(ckpt)
     report = QuantReport(settings=asdict(settings), layout=layout, provenance=provenance(src))
     report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
