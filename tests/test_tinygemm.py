@@ -22,7 +22,8 @@ from cpu_quant.formats import cpu_int4 as tp
 
 from .conftest import REPO, SMALL_CALIB, run_cli
 from .helpers.tinygemm_isa import random_module as _random_module
-from .test_gptq_end_to_end import NEAR_TIE_NATS, NEW_TOKENS, PROMPTS, _vllm_greedy
+from .helpers.vllm_paths import NEAR_TIE_NATS
+from .test_gptq_end_to_end import NEW_TOKENS, PROMPTS, _vllm_greedy
 
 ISA_HELPER = REPO / "tests" / "helpers" / "tinygemm_isa.py"
 # The same token's log-prob through vLLM's two paths (kernel for decode, dequantize + bf16 GEMM
@@ -441,7 +442,7 @@ def _assert_same_greedy(expected: list[int], got: list[int], margins: list, what
     first = next((i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b), None)
     if first is not None:
         margin = margins[first]
-        assert margin is not None and margin < NEAR_TIE_NATS, (
+        assert margin is not None and margin < NEAR_TIE_NATS["w4a16"], (
             f"{what} diverged at token {first} with a top-2 margin of {margin:.3f} nats: "
             f"{got} vs {expected}")
 
@@ -478,7 +479,7 @@ def test_vllm_prefill_and_decode_paths_agree(vllm_run: dict):
                                                 seq["prefill"], strict=True)):
             if p["rank"] != 1:  # a swap is allowed only where one of the paths saw a near-tie
                 gap = p["best"] - p["logprob"]
-                assert min(gap, margin) < NEAR_TIE_NATS, (
+                assert min(gap, margin) < NEAR_TIE_NATS["w4a16"], (
                     f"token {i}: prefill ranks it {p['rank']} ({gap:.3f} nats below the top), "
                     f"decode chose it by {margin:.3f}")
             worst = max(worst, abs(lp - p["logprob"]))
