@@ -95,9 +95,10 @@ def eval_cmd(quant: str | None, reference: str | None, full: bool, text: str | N
 def _register_commands() -> None:
     from .commands_tinygemm import convert, tinygemm
     from .export.commands import export_phone
+    from .report.commands import report
     from .verify.commands import inspect, probe, verify
 
-    for command in (tinygemm, convert, export_phone, verify, inspect, probe):
+    for command in (tinygemm, convert, export_phone, verify, inspect, probe, report):
         main.add_command(command)
 
 

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -140,3 +141,14 @@ def no_resume_on_interrupt(what: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+_DTYPE_SUFFIX = re.compile(r"[-_.](bf16|fp16|f16|fp32|f32|float16|bfloat16)$", re.I)
+
+
+def default_output_name(src: Path, kind: str, method: str, group: int) -> str:
+    """``<source>-<kind>[-<method>]-w4g<group>``: a trailing dtype tag of the source dropped and
+    the method left out when it is the kind, so nothing repeats."""
+    stem = _DTYPE_SUFFIX.sub("", Path(src).name) or Path(src).name
+    parts = [stem, kind] + ([] if method == kind else [method]) + [f"w4g{group}"]
+    return "-".join(parts)
