@@ -30,3 +30,15 @@ def finish_outputs(outputs: dict[str, str], source: Path, fallback: dict | None 
         if report is not None:
             written.append(write_report_html(Path(directory)))
     return written
+
+
+def record_conversion(output: str | Path, format_name: str, source: str | Path) -> list[Path]:
+    """After ``convert``: the command into the copied report, then the card and the page."""
+    import shlex
+    import sys
+
+    from .quantize.pipeline import update_report
+
+    if _report_of(Path(output)) is not None:
+        update_report(Path(output), convert_command="cpu-quant " + shlex.join(sys.argv[1:]))
+    return finish_outputs({format_name: str(output)}, Path(source))

@@ -51,6 +51,15 @@ def resolve_hub_id(repo_id: str, label: str = "SRC") -> Path:
     return Path(path)
 
 
+def checkpoint_name(path: Path) -> str:
+    """The model's name: the repository's for a Hub cache snapshot
+    (``models--org--name/snapshots/<rev>`` gives ``name``), else the directory's."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name
+
+
 def resolve_checkpoint(name: str, label: str = "SRC") -> Path:
     """A local directory as it is; otherwise a Hub id resolved from the local cache."""
     path = Path(name).expanduser()

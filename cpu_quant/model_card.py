@@ -133,7 +133,10 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
         "",
         "```text",
         _command(report),
+        *([report["convert_command"]] if report.get("convert_command") else []),
         "```",
+        *([f"Repacked bit-exactly from `{report['converted'].get('source')}` "
+           f"({report['converted'].get('source_format')})."] if report.get("converted") else []),
         "",
         "| setting | value |", "|---|---|",
         f"| method | {settings.get('method')}"
