@@ -255,8 +255,10 @@ def fidelity_section(fidelity: dict | None) -> str:
         for j, c in enumerate(counts):
             upper = f"{edges[j + 1]:.1e}" if j + 1 < len(edges) else "∞"
             hc.bar(j + 0.05, j + 0.95, c / total, PALETTE[i], f"[{edges[j]:.1e}, {upper}): {c}")
-        for j in range(0, len(edges), 4):
-            hc.x_label(j, f"{edges[j]:.0e}" if edges[j] else "0")
+        hc.x_label(0, "0")
+        for j, edge in enumerate(edges):
+            if edge > 0 and abs(math.log10(edge) - round(math.log10(edge))) < 1e-9:  # decades
+                hc.x_label(j, f"1e{round(math.log10(edge))}")
         parts.append(hc.svg())
     return "".join(parts)
 
