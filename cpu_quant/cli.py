@@ -35,8 +35,10 @@ def main() -> None:
 def gptq(src: str | None, dst: str | None, format_list: str, **opts) -> None:
     """Calibrated symmetric 4-bit GPTQ checkpoint for vLLM's CPU kernels.
 
-    SRC defaults to the built-in demo model (SmolLM2-135M-Instruct, bf16); DST defaults to a
-    directory named after the source and the settings.
+    SRC is a directory or a Hugging Face Hub id already in the local cache (never downloaded),
+    by default the built-in demo model (SmolLM2-135M-Instruct, bf16); DST defaults to
+    ./<source>-gptq[-<method>]-w4g<group>. DST also gets README.md (a model card) and
+    report.html.
     """
     from .formats import parse_formats
 

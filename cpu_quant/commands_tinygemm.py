@@ -23,8 +23,9 @@ from .cli_support import friendly_errors, quantize_options, run_quantize_command
 def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
     """W4A16 checkpoint (cpu_int4) for PyTorch's tinygemm CPU kernel, served by vLLM.
 
-    Same pipeline and options as ``gptq``, with an asymmetric grid by default. SRC defaults to
-    the built-in demo model; DST to a directory named after the source and the settings. The
+    Same pipeline and options as ``gptq``, with an asymmetric grid by default. SRC (a directory
+    or a cached Hub id) defaults to the built-in demo model; DST to a directory named after the
+    source and the settings. The
     result loads with ``vllm serve DST`` (through the cpu_quant plugin) or
     ``cpu_quant.load_quantized(DST)``.
     """
