@@ -17,8 +17,8 @@ def _report_of(directory: Path) -> dict | None:
         return None
 
 
-def finish_outputs(outputs: dict[str, str], source: Path, fallback: dict | None = None,
-                   progress: bool = True) -> list[Path]:
+def finish_outputs(outputs: dict[str, str], source: Path, fallback: dict | None = None
+                   ) -> list[Path]:
     """Write the card (and the HTML report where a report JSON exists) for each output."""
     from .report.html import write_report_html
 
@@ -40,5 +40,5 @@ def record_conversion(output: str | Path, format_name: str, source: str | Path) 
     from .quantize.pipeline import update_report
 
     if _report_of(Path(output)) is not None:
-        update_report(Path(output), convert_command="cpu-quant " + shlex.join(sys.argv[1:]))
+        update_report(Path(output), convert_command_line="cpu-quant " + shlex.join(sys.argv[1:]))
     return finish_outputs({format_name: str(output)}, Path(source))

@@ -202,14 +202,16 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
         fidelity = {k: v.as_dict() for k, v in fid.items()}
         _print_fidelity(fid)
     for directory in _safetensors_outputs(report.outputs):
-        update_report(directory, phases=meter.as_dict(), command=_command_line(),
+        update_report(directory, phases=meter.as_dict(), command_line=_command_line(),
                       **({"fidelity": fidelity} if fidelity else {}))
-    written = finish_outputs(report.outputs, source, progress=conv.progress)
+    doc = asdict(report)
+    doc.update(fidelity=fidelity, phases=meter.as_dict(), command_line=_command_line())
+    # the card of an output without a report JSON (a GGUF file) comes from this run's report
+    written = finish_outputs(report.outputs, source, fallback=dict(doc))
     for path in written:
         conv.note(f"wrote {path}")
-    doc = asdict(report)
     doc.update(command="gptq" if kind == "gptq" else "tinygemm", output=str(target),
-               fidelity=fidelity, phases=meter.as_dict(), written=[str(p) for p in written])
+               written=[str(p) for p in written])
     return doc
 
 

@@ -14,14 +14,13 @@ import json
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 SERVE = {
     "gptq": ("vLLM (stock kernels: AVX-512 or AMX CPUs)",
              "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
-    "cpu_int4": ("vLLM with the cpu_quant plugin (`pip install cpu-quant[vllm]`; the plugin "
-                 "loads through vLLM's `vllm.general_plugins` entry point)",
+    "cpu_int4": ("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads the "
+                 "plugin through its `vllm.general_plugins` entry point, no flag needed)",
                  "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
     "gguf": ("llama.cpp", "llama-cli -m {file}"),
 }
@@ -101,10 +100,10 @@ def _pm(d: dict, key: str, err_key: str, digits: int) -> str:
 
 
 def _command(report: dict) -> str:
-    cmd = report.get("command")
-    if cmd:
-        return cmd if isinstance(cmd, str) else shlex.join(cmd)
-    return "cpu-quant " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "(not recorded)"
+    cmd = report.get("command_line")
+    if not cmd:
+        return "(not recorded)"
+    return cmd if isinstance(cmd, str) else shlex.join(cmd)
 
 
 def model_card_text(directory: Path, report: dict, source: Path, format_name: str) -> str:
@@ -133,7 +132,7 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
         "",
         "```text",
         _command(report),
-        *([report["convert_command"]] if report.get("convert_command") else []),
+        *([report["convert_command_line"]] if report.get("convert_command_line") else []),
         "```",
         *([f"Repacked bit-exactly from `{report['converted'].get('source')}` "
            f"({report['converted'].get('source_format')})."] if report.get("converted") else []),

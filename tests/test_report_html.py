@@ -42,7 +42,7 @@ def synthetic_report(layers: int = 4) -> dict:
                        "eval": {"seconds": 4.0, "peak_rss_anon_mib": 900.0}},
             "fidelity": {"weights": fid, "w4a8_emulated": {**fid, "kl_mean": fid["kl_mean"] * 1.2}},
             "provenance": {"git_sha": "0" * 40, "threads": 2, "time": "2026-12-02T00:00:00Z"},
-            "command": "cpu-quant gptq SRC DST"}
+            "command_line": "cpu-quant gptq SRC DST"}
 
 
 @pytest.fixture

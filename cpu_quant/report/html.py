@@ -284,8 +284,8 @@ def timing_section(report: dict) -> str:
 def render_report_html(report: dict, title: str) -> str:
     settings = report.get("settings", {})
     prov = dict(report.get("provenance", {}))
-    if report.get("command"):
-        prov["command"] = report["command"]
+    if report.get("command_line"):
+        prov["command_line"] = report["command_line"]
     sections = [
         ("Settings", _table(sorted(settings.items()), ("setting", "value"))
          + f"<p>Layout: <code>{escape(str(report.get('layout')))}</code>; calibration "
