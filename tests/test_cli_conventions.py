@@ -142,3 +142,8 @@ def test_model_card_for_a_file_artifact_is_written_atomically(tmp_path):
     assert "Not measured" in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model-Q4_0.gguf",
                                                           "model-Q4_0.gguf.README.md", "src"]
+
+
+def test_quiet_and_verbose_together_are_refused(tmp_path):
+    res = _invoke("gptq", str(tmp_path / "src"), str(tmp_path / "dst"), "-q", "-v")
+    assert res.exit_code == 2 and "-q and -v contradict" in res.stderr
