@@ -51,6 +51,14 @@ def resolve_hub_id(repo_id: str, label: str = "SRC") -> Path:
     return Path(path)
 
 
+def repo_id_of(path: Path) -> str | None:
+    """``org/name`` for a Hub cache snapshot directory, else None."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
 def checkpoint_name(path: Path) -> str:
     """The model's name: the repository's for a Hub cache snapshot
     (``models--org--name/snapshots/<rev>`` gives ``name``), else the directory's."""

@@ -59,8 +59,10 @@ def source_licence(source: Path) -> tuple[str | None, str | None]:
 
 
 def _base_model(source: Path) -> str:
+    from .hub import repo_id_of
+
     meta = _front_matter(Path(source) / "README.md")
-    return meta.get("base_model") or Path(source).name
+    return meta.get("base_model") or repo_id_of(Path(source)) or Path(source).name
 
 
 def _fidelity_lines(fidelity: dict | None) -> list[str]:
@@ -76,8 +78,8 @@ def _fidelity_lines(fidelity: dict | None) -> list[str]:
         "",
         "| metric | value |", "|---|---|",
         f"| KL(bf16 ‖ quant), mean | {_pm(w, 'kl_mean', 'kl_stderr', 4)} |",
-        f"| KL median / p99 / max | {w.get('kl_median', float('nan')):.4f} / "
-        f"{w.get('kl_p99', float('nan')):.4f} / {w.get('kl_max', float('nan')):.3f} |",
+        f"| KL median / p99 / max | {_num(w.get('kl_median', float('nan')), 4)} / "
+        f"{_num(w.get('kl_p99', float('nan')), 4)} / {_num(w.get('kl_max', float('nan')), 3)} |",
         f"| perplexity (bf16 → quant) | {_pm(w, 'ppl_reference', 'ppl_reference_stderr', 2)} → "
         f"{_pm(w, 'ppl_quantized', 'ppl_quantized_stderr', 2)} |",
         f"| same top-1 | {_pm(w, 'top1_agreement', 'top1_stderr', 3)} |",
@@ -90,13 +92,25 @@ def _fidelity_lines(fidelity: dict | None) -> list[str]:
     return rows
 
 
+def _num(v: float, digits: int) -> str:
+    """Fixed digits, or three significant ones for a value too small for them (tiny KLs)."""
+    return f"{v:.{digits}f}" if v == 0 or abs(v) >= 10 ** (2 - digits) else f"{v:.2e}"
+
+
 def _pm(d: dict, key: str, err_key: str, digits: int) -> str:
     v, e = d.get(key), d.get(err_key)
     if v is None:
         return "n/a"
     if e is None or e != e:
-        return f"{v:.{digits}f}"
-    return f"{v:.{digits}f} ± {e:.{digits}f}"
+        return _num(v, digits)
+    return f"{_num(v, digits)} ± {_num(e, digits)}"
+
+
+def _source_text(source: str) -> str:
+    from .hub import repo_id_of
+
+    repo = repo_id_of(Path(source))
+    return f"`{repo}` (Hub cache, revision {Path(source).name})" if repo else f"`{source}`"
 
 
 def _command(report: dict) -> str:
@@ -116,6 +130,9 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
     target = Path(directory)
     serve_cmd = serve.format(dir=str(target), file=str(target))
     calib = settings.get("calib") or "austen (built-in: the first half of six Austen novels)"
+    calibration = ("none (data-free)" if calib == "none" else
+                   f"{calib}: {settings.get('samples')} windows × {settings.get('seqlen')} tokens "
+                   f"({report.get('calibration_tokens', 0)} tokens)")
     lines = [
         "---",
         f"license: {licence or 'unknown'}",
@@ -144,11 +161,10 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
                       else "asymmetric (scale and zero per group)") + " |",
         f"| group size | {settings.get('group_size')} |",
         f"| output head | {'quantized' if report.get('head_quantized') else 'bf16'} |",
-        f"| calibration | {calib}: {settings.get('samples')} windows × {settings.get('seqlen')} "
-        f"tokens ({report.get('calibration_tokens', 0)} tokens) |",
+        f"| calibration | {calibration} |",
         f"| act-order (static groups) | {settings.get('act_order')} |",
         f"| damping | {settings.get('damp')} |",
-        f"| source | `{prov.get('source', source)}` |",
+        f"| source | {_source_text(prov.get('source') or str(source))} |",
         f"| torch / transformers | {prov.get('torch')} / {prov.get('transformers')} |",
         "",
         "## Size",
