@@ -196,9 +196,17 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
         from .eval.fidelity import EvalSettings, evaluate_artifact
 
         conv.note("\nrunning the short fidelity check (--no-eval skips it) ...")
-        with meter.phase("eval"):
-            fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
-                                    variants=("weights", "w4a8_emulated"))
+        try:
+            with meter.phase("eval"):
+                fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
+                                        variants=("weights", "w4a8_emulated"))
+        except KeyboardInterrupt:  # the artifact is complete: nothing to resume
+            from .errors import Interrupted
+
+            finish_outputs(report.outputs, source, fallback=asdict(report))
+            raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
+                              f"fidelity score): measure it with `cpu-quant eval {scored} "
+                              f"--reference {source}`") from None
         fidelity = {k: v.as_dict() for k, v in fid.items()}
         _print_fidelity(fid)
     for directory in _safetensors_outputs(report.outputs):

@@ -151,3 +151,20 @@ def test_eval_threads_reach_torch(tiny_llama, tiny_rtn):
         assert "eval windows" not in result.stderr  # -q: no progress bars
     finally:
         torch.set_num_threads(before)
+
+
+def test_interrupted_quick_eval_says_the_artifact_is_complete(monkeypatch, tiny_llama, tmp_path):
+    import cpu_quant.eval.fidelity as fidelity
+    from cpu_quant.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fidelity, "evaluate_artifact", interrupted)
+    dst = tmp_path / "out"
+    result = CliRunner().invoke(main, ["gptq", str(tiny_llama), str(dst), "--method", "rtn",
+                                       "--calib", "none", "--group", "32", "-q"],
+                                catch_exceptions=False)
+    assert result.exit_code == 130
+    assert "is complete" in result.stderr and "--resume" not in result.stderr
+    assert (dst / "README.md").is_file() and (dst / "config.json").is_file()
