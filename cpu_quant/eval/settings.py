@@ -1,12 +1,13 @@
 """What an evaluation scores (:class:`EvalSettings`): the default, the full and the quick setting.
 
 The default (``DEFAULT_EVAL``) is sized for about 2 minutes on the demo model (SmolLM2-135M,
-float32) on 2 idle cores. Measured on 2 shared cores under a load average of 12 (2026-12-02),
-so in CPU seconds of one thread, not wall time: one forward over 512 tokens 1.8 s, one greedy
-step for 12 prompts 0.3 s; the default is 32 windows × 2 models × (1.8 s + the KL) plus
-2 × 32 greedy steps plus loading, about 160 CPU-seconds of one thread. ``--full``
-(``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (about 10 CPU-minutes). The
-quick check that ``cpu-quant gptq`` runs at the end is ``EvalSettings.quick()``.
+float32) on 2 idle cores. Measured on 2 shared cores under a load average of 12, so in CPU
+seconds of one thread rather than wall time: 4 windows and 4 prompts took 39 CPU-seconds
+(``eval-saved-reference-20261202T143002Z.json``), one 512-token forward 1.8 s and one greedy
+step for 12 prompts 0.3 s, which puts the default near 190 CPU-seconds of one thread.
+``--full`` (``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (about 12
+CPU-minutes). The quick check that ``cpu-quant gptq`` runs at the end is
+``EvalSettings.quick()``.
 """
 
 from __future__ import annotations
