@@ -2,9 +2,9 @@
 
 Three faces (``shared/MEASURING.md``), all on the held-out split, never calibration text:
 
-* mean KL(bf16 ‖ quant) of the next-token distributions over ``windows × seqlen`` positions,
-  plus the perplexity of each model;
-* top-1 agreement of the next-token argmax;
+* KL(bf16 ‖ quant) of the next-token distributions over ``windows × seqlen`` positions (mean
+  ± standard error, median, p90, p99, max), plus the perplexity of each model ± its error;
+* same top-1 (the next-token argmaxes agree) ± its error (``stats.py``);
 * greedy reproduction: ``prompts`` prompts of ``prompt_len`` held-out tokens, each continued
   greedily for ``new_tokens`` tokens by both models; we report the mean fraction of the
   continuation reproduced before the first divergence, and how many match exactly.
@@ -14,7 +14,9 @@ Variants: ``weights`` runs the dequantized weights with bf16/float activations (
 token, as vLLM's AMX kernel ``int4_scaled_mm_cpu`` does (emulated: this machine has no AMX).
 
 Both models are torch models; the quantized one holds the artifact's dequantized weights
-(``dequantized.load_model``). Computation is float32 unless asked otherwise.
+(``dequantized.load_model``). Computation is float32 unless asked otherwise. The reference's
+side comes from the model (``FreshReference``) or from a file that ``--save-reference`` wrote
+(``StoredReference``, ``reference_logits.py``): the same full-vocabulary KL either way.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings  # noqa: F401  (re-e
 @dataclass
 class FidelityReport:
     """One variant's fidelity. Errors are standard errors (``stats.py``); ``kl_source`` says
-    whether KL used the reference's full distribution or its saved top-k (``reference_logits``)."""
+    whether the reference ran or came from a saved file (``reference_logits``)."""
 
     kl_mean: float
     ppl_reference: float
