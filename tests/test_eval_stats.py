@@ -168,3 +168,19 @@ def test_interrupted_quick_eval_says_the_artifact_is_complete(monkeypatch, tiny_
     assert result.exit_code == 130
     assert "is complete" in result.stderr and "--resume" not in result.stderr
     assert (dst / "README.md").is_file() and (dst / "config.json").is_file()
+
+
+def test_saved_reference_refuses_other_text_or_tokens(tmp_path):
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.eval.reference_logits import SavedReference
+
+    settings = {"windows": 1, "seqlen": 4, "prompts": 1, "prompt_len": 2, "new_tokens": 1, "text": None}
+    windows, prompts = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[5, 6]])
+    saved = SavedReference(windows, prompts, torch.tensor([[7]]), [], "abc", settings, "src")
+    saved.check_matches(windows, prompts, "abc", settings, tmp_path)  # the same: accepted
+    with pytest.raises(CpuQuantError, match="different held-out text"):
+        saved.check_matches(windows, prompts, "abd", settings, tmp_path)
+    with pytest.raises(CpuQuantError, match="different token ids"):
+        saved.check_matches(windows + 1, prompts, "abc", settings, tmp_path)
+    with pytest.raises(CpuQuantError, match="saved with seqlen=4"):
+        saved.check_matches(windows, prompts, "abc", {**settings, "seqlen": 8}, tmp_path)
