@@ -64,12 +64,12 @@ def shared_embedding_variant(asym: Path, dst: Path) -> Path:
 
 def cli_eval(artifact: Path, reference: Path, out: Path, windows: int, seqlen: int) -> dict:
     cmd = [sys.executable, "-m", "cpu_quant.cli", "eval", str(artifact), "--reference",
-           str(reference), "--windows", str(windows), "--seqlen", str(seqlen), "--json", str(out)]
+           str(reference), "--windows", str(windows), "--seqlen", str(seqlen), "--output-json", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["fidelity"]["weights"]
     report["eval_seconds"] = round(time.perf_counter() - t0, 1)
     return report
 

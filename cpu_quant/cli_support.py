@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -32,14 +33,20 @@ def friendly_errors(fn):
 
 def _resolve_source(src: str | None) -> Path:
     if src is not None:
-        return Path(src)
+        from .hub import resolve_checkpoint
+
+        return resolve_checkpoint(src)
     from .models.demo import demo_model_path
 
     return demo_model_path()
 
 
 def _default_destination(src: Path, kind: str, method: str, group: int) -> Path:
-    return Path.cwd() / f"{src.name}-{kind}-{method}-w4g{group}"
+    """``./<source>-<kind>[-<method>]-w4g<group>``: the source's dtype suffix dropped, the
+    method left out when it is the kind (``SmolLM2-135M-Instruct-gptq-w4g128``)."""
+    from .cli_conventions import default_output_name
+
+    return Path.cwd() / default_output_name(src, kind, method, group)
 
 
 def _print_summary(report, dst: Path) -> None:
@@ -68,21 +75,9 @@ def _print_summary(report, dst: Path) -> None:
 
 
 def _print_fidelity(reports: dict) -> None:
-    names = list(reports)
-    first = reports[names[0]]
-    click.echo("")
-    click.echo(f"  fidelity vs the bf16 source, held-out text ({first.tokens} tokens scored, "
-               f"{first.greedy_prompts} greedy prompts)")
-    click.echo("    " + f"{'':<22}" + "".join(f"{n:>16}" for n in names))
-    rows = [
-        ("KL(bf16 || quant)", lambda r: f"{r.kl_mean:.4f}"),
-        ("perplexity", lambda r: f"{r.ppl_quantized:.2f} ({r.ppl_delta:+.2f})"),
-        ("top-1 agreement", lambda r: f"{r.top1_agreement:.3f}"),
-        ("greedy reproduction", lambda r: f"{r.greedy_prefix_fraction:.3f} ({r.greedy_exact} exact)"),
-    ]
-    for label, fmt in rows:
-        click.echo("    " + f"{label:<22}" + "".join(f"{fmt(reports[n]):>16}" for n in names))
-    click.echo(f"    (bf16 perplexity {first.ppl_reference:.2f})")
+    from .eval.summary import fidelity_lines
+
+    click.echo("\n".join(fidelity_lines(reports)))
 
 
 def quantize_options(fn):
@@ -130,7 +125,9 @@ def quantize_options(fn):
     ]
     for option in reversed(options):
         fn = option(fn)
-    return fn
+    from .cli_conventions import run_options
+
+    return run_options(fn)
 
 
 def _settings_from(opts: dict, symmetric: bool):
@@ -146,7 +143,18 @@ def _settings_from(opts: dict, symmetric: bool):
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,
                          kind: str, opts: dict) -> None:
+    from .cli_conventions import RunConventions, stdout_for_json
+
+    conv = RunConventions.take(opts)
+    with stdout_for_json(conv.as_json) as emit:
+        emit(_run_quantize(src, dst, formats, symmetric, kind, opts, conv))
+
+
+def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bool, kind: str,
+                  opts: dict, conv) -> dict:
+    from .after_run import finish_outputs
     from .quantize.pipeline import check_formats, quantize_checkpoint, update_report
+    from .report.phases import PhaseMeter
 
     settings = _settings_from(opts, symmetric)
     settings.validate()
@@ -157,14 +165,17 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
         click.echo("warning: --no-lm-head keeps the output head in bf16; on the demo model the head "
                    "is about a quarter of all weights, so every decode step reads it at 4x the "
                    "bytes of a 4-bit head", err=True)
-    click.echo(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})",
-               err=True)
-    report = quantize_checkpoint(source, target, settings, formats, overwrite=opts["overwrite"],
-                                 resume=opts["resume"])
-    for note in report.plan_notes[:6]:
-        click.echo(f"note: {note}", err=True)
-    if len(report.plan_notes) > 6:
-        click.echo(f"note: ... {len(report.plan_notes) - 6} more in quantization_report.json", err=True)
+    conv.note(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})")
+    meter = PhaseMeter()
+    with meter.phase("quantize"):
+        report = quantize_checkpoint(source, target, settings, formats, overwrite=opts["overwrite"],
+                                     resume=opts["resume"], progress=conv.progress)
+    shown = len(report.plan_notes) if conv.verbose else 6
+    for note in report.plan_notes[:shown]:
+        conv.note(f"note: {note}")
+    if len(report.plan_notes) > shown:
+        conv.note(f"note: ... {len(report.plan_notes) - shown} more in quantization_report.json "
+                  "(-v shows them)")
     _print_summary(report, target)
     if "gptq" in report.outputs:
         from .probe import read_machine, vllm_gptq_unavailable
@@ -174,24 +185,48 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
         except CpuQuantError:  # no /proc/cpuinfo: nothing to say
             why = None
         if why:
-            click.echo(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
-                       "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
-                       f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)",
-                       err=True)
-    if not opts["no_eval"]:
+            conv.note(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
+                      "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
+                      f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)")
+    fidelity = None
+    scored = _evaluated_output(report.outputs)
+    if not opts["no_eval"] and scored is None:
+        conv.note("note: no safetensors format was written; the fidelity check is skipped")
+    elif not opts["no_eval"]:
         from .eval.fidelity import EvalSettings, evaluate_artifact
 
-        click.echo("\nrunning the short fidelity check (--no-eval skips it) ...", err=True)
-        scored = _evaluated_output(report.outputs)
-        if scored is None:
-            click.echo("note: no safetensors format was written; the fidelity check is skipped",
-                       err=True)
-            return
-        fid = evaluate_artifact(scored, source, EvalSettings.quick(),
-                                variants=("weights", "w4a8_emulated"))
-        for directory in _safetensors_outputs(report.outputs):
-            update_report(directory, fidelity={k: v.as_dict() for k, v in fid.items()})
+        conv.note("\nrunning the short fidelity check (--no-eval skips it) ...")
+        try:
+            with meter.phase("eval"):
+                fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
+                                        variants=("weights", "w4a8_emulated"))
+        except KeyboardInterrupt:  # the artifact is complete: nothing to resume
+            from .errors import Interrupted
+
+            finish_outputs(report.outputs, source, fallback=asdict(report))
+            raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
+                              f"fidelity score): measure it with `cpu-quant eval {scored} "
+                              f"--reference {source}`") from None
+        fidelity = {k: v.as_dict() for k, v in fid.items()}
         _print_fidelity(fid)
+    for directory in _safetensors_outputs(report.outputs):
+        update_report(directory, phases=meter.as_dict(), command_line=_command_line(),
+                      **({"fidelity": fidelity} if fidelity else {}))
+    doc = asdict(report)
+    doc.update(fidelity=fidelity, phases=meter.as_dict(), command_line=_command_line())
+    # the card of an output without a report JSON (a GGUF file) comes from this run's report
+    written = finish_outputs(report.outputs, source, fallback=dict(doc))
+    for path in written:
+        conv.note(f"wrote {path}")
+    doc.update(command="gptq" if kind == "gptq" else "tinygemm", output=str(target),
+               written=[str(p) for p in written])
+    return doc
+
+
+def _command_line() -> str:
+    import shlex
+
+    return "cpu-quant " + shlex.join(sys.argv[1:])
 
 
 def _safetensors_outputs(outputs: dict[str, str]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from .cli_conventions import json_option, stdout_for_json
 from .cli_support import friendly_errors, quantize_options, run_quantize_command
 
 
@@ -22,8 +23,9 @@ from .cli_support import friendly_errors, quantize_options, run_quantize_command
 def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
     """W4A16 checkpoint (cpu_int4) for PyTorch's tinygemm CPU kernel, served by vLLM.
 
-    Same pipeline and options as ``gptq``, with an asymmetric grid by default. SRC defaults to
-    the built-in demo model; DST to a directory named after the source and the settings. The
+    Same pipeline and options as ``gptq``, with an asymmetric grid by default. SRC (a directory
+    or a cached Hub id) defaults to the built-in demo model; DST to a directory named after the
+    source and the settings. The
     result loads with ``vllm serve DST`` (through the cpu_quant plugin) or
     ``cpu_quant.load_quantized(DST)``.
     """
@@ -39,13 +41,18 @@ def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
 @click.option("--to", "target", type=click.Choice(["gptq", "cpu_int4"]), required=True,
               help="Format to write.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@json_option
 @friendly_errors
-def convert(src_dir: str, dst: str, target: str, overwrite: bool) -> None:
+def convert(src_dir: str, dst: str, target: str, overwrite: bool, as_json: bool) -> None:
     """Repack a 4-bit checkpoint into another format, bit-exactly, or refuse and say why."""
+    from .after_run import record_conversion
     from .formats.convert import convert_checkpoint
 
-    report = convert_checkpoint(src_dir, dst, target, overwrite=overwrite)
-    groups = ", ".join(f"{n} x group {g}" for g, n in sorted(report.groups.items(),
-                                                             key=lambda kv: int(kv[0])))
-    click.echo(f"converted {report.modules} modules ({groups}) from {report.source_format} to "
-               f"{target}: {report.output}")
+    with stdout_for_json(as_json) as emit:
+        report = convert_checkpoint(src_dir, dst, target, overwrite=overwrite)
+        groups = ", ".join(f"{n} x group {g}" for g, n in sorted(report.groups.items(),
+                                                                 key=lambda kv: int(kv[0])))
+        click.echo(f"converted {report.modules} modules ({groups}) from {report.source_format} to "
+                   f"{target}: {report.output}")
+        written = record_conversion(report.output, target, src_dir)
+        emit({"command": "convert", **report.as_dict(), "written": [str(p) for p in written]})

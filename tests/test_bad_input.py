@@ -174,6 +174,6 @@ def test_eval_of_missing_directories(tmp_path, tiny_llama, which):
     quant = tmp_path / "nope" if which == "quant" else tiny_llama
     reference = tmp_path / "nope" if which == "reference" else tiny_llama
     json_out = tmp_path / "report.json"
-    proc = run_cli("eval", str(quant), "--reference", str(reference), "--json", str(json_out),
+    proc = run_cli("eval", str(quant), "--reference", str(reference), "--output-json", str(json_out),
                    check=False)
     _assert_clean_failure(proc, json_out, "is not a directory")

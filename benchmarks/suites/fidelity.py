@@ -108,7 +108,12 @@ def eval_argv(artifact: Path, src: Path, ev: dict, out: Path) -> list[str]:
     return [*q.CLI, "eval", str(artifact), "--reference", str(src),
             "--windows", str(ev["windows"]), "--seqlen", str(ev["seqlen"]),
             "--prompts", str(ev["prompts"]), "--new-tokens", str(ev["new_tokens"]),
-            "--json", str(out)]
+            "--output-json", str(out)]
+
+
+def read_fidelity(path: Path) -> dict:
+    """The ``weights`` variant of an ``eval --output-json`` file."""
+    return json.loads(path.read_text())["fidelity"]["weights"]
 
 
 def artifact_bits(path: Path) -> float | None:
@@ -157,7 +162,7 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
 
 
 def _collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
-    fid = json.loads((ctx.workdir / "fidelity.json").read_text())
+    fid = read_fidelity(ctx.workdir / "fidelity.json")
     return {m.name: float(fid[m.name]) for m in METRICS}
 
 
@@ -173,7 +178,7 @@ def _artifact_resolver(prebuilt: Path | None) -> ArtifactOf:
 
 def _extras(src: Path, artifact_of: ArtifactOf):
     def extras(ctx: PassContext, run: RunRecord) -> dict:
-        fid = json.loads((ctx.workdir / "fidelity.json").read_text())
+        fid = read_fidelity(ctx.workdir / "fidelity.json")
         artifact = artifact_of(ctx)
         out = {"ppl_reference": fid["ppl_reference"], "ppl_quantized": fid["ppl_quantized"],
                "tokens": fid["tokens"], "bits_per_weight": artifact_bits(artifact),

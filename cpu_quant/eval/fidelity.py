@@ -2,9 +2,9 @@
 
 Three faces (``shared/MEASURING.md``), all on the held-out split, never calibration text:
 
-* mean KL(bf16 ‖ quant) of the next-token distributions over ``windows × seqlen`` positions,
-  plus the perplexity of each model;
-* top-1 agreement of the next-token argmax;
+* KL(bf16 ‖ quant) of the next-token distributions over ``windows × seqlen`` positions (mean
+  ± standard error, median, p90, p99, max), plus the perplexity of each model ± its error;
+* same top-1 (the next-token argmaxes agree) ± its error (``stats.py``);
 * greedy reproduction: ``prompts`` prompts of ``prompt_len`` held-out tokens, each continued
   greedily for ``new_tokens`` tokens by both models; we report the mean fraction of the
   continuation reproduced before the first divergence, and how many match exactly.
@@ -14,7 +14,9 @@ Variants: ``weights`` runs the dequantized weights with bf16/float activations (
 token, as vLLM's AMX kernel ``int4_scaled_mm_cpu`` does (emulated: this machine has no AMX).
 
 Both models are torch models; the quantized one holds the artifact's dequantized weights
-(``dequantized.load_model``). Computation is float32 unless asked otherwise.
+(``dequantized.load_model``). Computation is float32 unless asked otherwise. The reference's
+side comes from the model (``FreshReference``) or from a file that ``--save-reference`` wrote
+(``StoredReference``, ``reference_logits.py``): the same full-vocabulary KL either way.
 """
 
 from __future__ import annotations
@@ -29,25 +31,24 @@ import torch.nn.functional as F
 
 from ..data.corpus import load_texts, token_windows
 from ..errors import CpuQuantError
-
-
-@dataclass
-class EvalSettings:
-    windows: int = 32
-    seqlen: int = 512
-    prompts: int = 12
-    prompt_len: int = 24
-    new_tokens: int = 32
-    text: str | None = None  # None = built-in held-out split
-
-    @classmethod
-    def quick(cls) -> EvalSettings:
-        """The short version ``cpu-quant gptq`` runs at the end (well under a minute here)."""
-        return cls(windows=8, seqlen=256, prompts=12, prompt_len=16, new_tokens=32)
+from . import stats
+from .reference_logits import (
+    ExactWindow,
+    SavedReference,
+    WindowReference,
+    check_factored,
+    load_reference,
+    save_reference,
+    text_fingerprint,
+)
+from .settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings  # noqa: F401  (re-exported)
 
 
 @dataclass
 class FidelityReport:
+    """One variant's fidelity. Errors are standard errors (``stats.py``); ``kl_source`` says
+    whether the reference ran or came from a saved file (``reference_logits``)."""
+
     kl_mean: float
     ppl_reference: float
     ppl_quantized: float
@@ -59,13 +60,29 @@ class FidelityReport:
     tokens: int
     settings: dict = field(default_factory=dict)
     greedy_examples: list[dict] = field(default_factory=list)
+    kl_stderr: float = math.nan
+    kl_median: float = math.nan
+    kl_p90: float = math.nan
+    kl_p99: float = math.nan
+    kl_max: float = math.nan
+    ppl_reference_stderr: float = math.nan
+    ppl_quantized_stderr: float = math.nan
+    ppl_delta_stderr: float = math.nan
+    top1_stderr: float = math.nan
+    kl_histogram: dict = field(default_factory=dict)
+    kl_source: str = "full"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def _eval_windows(tokenizer, settings: EvalSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    texts = load_texts(settings.text, "heldout") if settings.text else load_texts(None, "heldout")
+def _heldout_texts(settings: EvalSettings) -> list[str]:
+    return load_texts(settings.text, "heldout") if settings.text else load_texts(None, "heldout")
+
+
+def _eval_windows(tokenizer, settings: EvalSettings, texts: list[str] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    texts = texts if texts is not None else _heldout_texts(settings)
     total = settings.windows + settings.prompts
     wins = token_windows(tokenizer, texts, total, max(settings.seqlen, settings.prompt_len))
     # every k-th window is a prompt, so both prompts and scored windows span all novels
@@ -77,16 +94,23 @@ def _eval_windows(tokenizer, settings: EvalSettings) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def _greedy(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def _greedy(model, prompts: torch.Tensor, new_tokens: int, progress: bool = False,
+            desc: str = "greedy") -> torch.Tensor:
+    from tqdm import tqdm
+
+    bar = tqdm(total=new_tokens, desc=desc, unit="tok", disable=not progress, leave=False)
     out = model(input_ids=prompts, use_cache=True)
     past = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1)
     generated = [nxt]
+    bar.update()
     for _ in range(new_tokens - 1):
         out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
         past = out.past_key_values
         nxt = out.logits[:, -1].argmax(-1)
         generated.append(nxt)
+        bar.update()
+    bar.close()
     return torch.stack(generated, 1)
 
 
@@ -118,68 +142,202 @@ def w4a8_activations(model):
 VARIANTS = {"weights": nullcontext, "w4a8_emulated": w4a8_activations}
 
 
+class FreshReference:
+    """Runs the reference model; with ``keep`` it also keeps what ``--save-reference`` stores
+    (the output head's input per position: ``reference_logits``)."""
+
+    def __init__(self, model, keep: bool = False) -> None:
+        self.model = model
+        self.keep = keep
+        self.kept: list[WindowReference] = []
+        self.greedy_tokens: torch.Tensor | None = None
+
+    def window(self, i: int, ids: torch.Tensor) -> ExactWindow:
+        head = self.model.get_output_embeddings()
+        captured: list[torch.Tensor] = []
+        hook = (head.register_forward_pre_hook(lambda m, args: captured.append(args[0]))
+                if self.keep else None)
+        try:
+            logits = self.model(input_ids=ids[None]).logits[0, :-1].float()
+        finally:
+            if hook is not None:
+                hook.remove()
+        window = ExactWindow(F.log_softmax(logits, -1), ids[1:])
+        if self.keep:
+            kept = WindowReference(captured[-1][0, :-1].float().clone(), head.weight.detach(),
+                                   torch.logsumexp(logits, -1), window.nll)
+            if i == 0:
+                check_factored(kept, logits, "--save-reference")
+            self.kept.append(kept)
+        return window
+
+    def greedy(self, prompts: torch.Tensor, new_tokens: int, progress: bool) -> torch.Tensor:
+        self.greedy_tokens = _greedy(self.model, prompts, new_tokens, progress, "greedy (reference)")
+        return self.greedy_tokens
+
+
+class StoredReference:
+    """The reference's side read from a ``--reference-logits`` file: no reference model runs."""
+
+    def __init__(self, saved: SavedReference) -> None:
+        self.saved = saved
+
+    def window(self, i: int, ids: torch.Tensor) -> ExactWindow:
+        return self.saved.per_window[i].scored()
+
+    def greedy(self, prompts: torch.Tensor, new_tokens: int, progress: bool) -> torch.Tensor:
+        return self.saved.greedy
+
+
+def _variant_report(kl: torch.Tensor, nll_q: torch.Tensor, nll_r: torch.Tensor,
+                    agree: torch.Tensor, prefix: torch.Tensor, examples: list[dict],
+                    settings: EvalSettings, kl_source: str) -> FidelityReport:
+    kls = stats.kl_summary(kl)
+    ppl_r, ppl_q = stats.perplexity(nll_r), stats.perplexity(nll_q)
+    delta = stats.perplexity_delta(nll_q, nll_r)
+    top1 = stats.proportion(agree)
+    return FidelityReport(
+        kl_mean=kls["mean"], ppl_reference=ppl_r.value, ppl_quantized=ppl_q.value,
+        ppl_delta=delta.value, top1_agreement=top1.value,
+        greedy_prefix_fraction=float(prefix.mean()), greedy_exact=int((prefix == 1).sum()),
+        greedy_prompts=prefix.numel(), tokens=kl.numel(), settings=asdict(settings),
+        greedy_examples=examples, kl_stderr=kls["stderr"], kl_median=kls["median"],
+        kl_p90=kls["p90"], kl_p99=kls["p99"], kl_max=kls["max"],
+        ppl_reference_stderr=ppl_r.stderr, ppl_quantized_stderr=ppl_q.stderr,
+        ppl_delta_stderr=delta.stderr, top1_stderr=top1.stderr,
+        kl_histogram=stats.kl_histogram(kl), kl_source=kl_source)
+
+
 @torch.no_grad()
+def score_against(reference: FreshReference | StoredReference, quantized, tokenizer,
+                  scored: torch.Tensor, prompts: torch.Tensor, settings: EvalSettings,
+                  progress: bool = False, variants: tuple[str, ...] = ("weights",)
+                  ) -> dict[str, FidelityReport]:
+    """One report per variant, the reference's side coming from a model or a saved file."""
+    from tqdm import tqdm
+
+    per = {v: {"kl": [], "nll": [], "agree": []} for v in variants}
+    nll_ref = []
+    for i, ids in enumerate(tqdm(scored, desc="eval windows", unit="win", disable=not progress)):
+        ref = reference.window(i, ids)
+        nll_ref.append(ref.nll)
+        target = ids[1:]
+        for v in variants:
+            with VARIANTS[v](quantized):
+                lq = F.log_softmax(quantized(input_ids=ids[None]).logits[0, :-1].float(), -1)
+            per[v]["kl"].append(ref.kl(lq))
+            per[v]["nll"].append(-lq.gather(-1, target[:, None])[:, 0])
+            per[v]["agree"].append(ref.argmax == lq.argmax(-1))
+    g_ref = reference.greedy(prompts, settings.new_tokens, progress)
+    kl_source = ("full, from the saved reference" if isinstance(reference, StoredReference)
+                 else "full")
+    reports = {}
+    for v in variants:
+        with VARIANTS[v](quantized):
+            g_q = _greedy(quantized, prompts, settings.new_tokens, progress, f"greedy ({v})")
+        prefix = (g_ref == g_q).int().cumprod(1).sum(1).float() / settings.new_tokens
+        examples = [{"prompt": tokenizer.decode(p), "reference": tokenizer.decode(r),
+                     "quantized": tokenizer.decode(q)}
+                    for p, r, q in zip(prompts[:3], g_ref[:3], g_q[:3], strict=True)]
+        reports[v] = _variant_report(torch.cat(per[v]["kl"]), torch.cat(per[v]["nll"]),
+                                     torch.cat(nll_ref), torch.cat(per[v]["agree"]), prefix,
+                                     examples, settings, kl_source)
+    return reports
+
+
 def compare_models(reference, quantized, tokenizer, settings: EvalSettings,
                    progress: bool = False, variants: tuple[str, ...] = ("weights",)
                    ) -> dict[str, FidelityReport]:
     """One report per variant: ``weights`` (bf16 activations) and/or ``w4a8_emulated``."""
-    from tqdm import tqdm
-
     scored, prompts = _eval_windows(tokenizer, settings)
-    acc = {v: {"kl": 0.0, "nll": 0.0, "agree": 0} for v in variants}
-    nll_ref = 0.0
-    count = 0
-    for ids in tqdm(scored, desc="eval windows", disable=not progress):
-        ids = ids[None]
-        target = ids[0, 1:]
-        lr = F.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1)
-        nll_ref -= float(lr.gather(-1, target[:, None]).sum())
-        for v in variants:
-            with VARIANTS[v](quantized):
-                lq = F.log_softmax(quantized(input_ids=ids).logits[0, :-1].float(), -1)
-            acc[v]["kl"] += float((lr.exp() * (lr - lq)).sum())
-            acc[v]["nll"] -= float(lq.gather(-1, target[:, None]).sum())
-            acc[v]["agree"] += int((lr.argmax(-1) == lq.argmax(-1)).sum())
-        count += target.numel()
-    g_ref = _greedy(reference, prompts, settings.new_tokens)
-    ppl_r = math.exp(nll_ref / count)
-    reports = {}
-    for v in variants:
-        with VARIANTS[v](quantized):
-            g_q = _greedy(quantized, prompts, settings.new_tokens)
-        prefix = (g_ref == g_q).int().cumprod(1).sum(1).float() / settings.new_tokens
-        ppl_q = math.exp(acc[v]["nll"] / count)
-        examples = [{"prompt": tokenizer.decode(p), "reference": tokenizer.decode(r),
-                     "quantized": tokenizer.decode(q)}
-                    for p, r, q in zip(prompts[:3], g_ref[:3], g_q[:3], strict=True)]
-        reports[v] = FidelityReport(
-            kl_mean=acc[v]["kl"] / count, ppl_reference=ppl_r, ppl_quantized=ppl_q,
-            ppl_delta=ppl_q - ppl_r, top1_agreement=acc[v]["agree"] / count,
-            greedy_prefix_fraction=float(prefix.mean()), greedy_exact=int((prefix == 1).sum()),
-            greedy_prompts=len(prompts), tokens=count, settings=asdict(settings),
-            greedy_examples=examples)
-    return reports
+    return score_against(FreshReference(reference), quantized, tokenizer, scored, prompts,
+                         settings, progress, variants)
 
 
-def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path,
-                      settings: EvalSettings | None = None, progress: bool = False,
-                      dtype: torch.dtype = torch.float32,
-                      variants: tuple[str, ...] = ("weights",)) -> dict[str, FidelityReport]:
+def _check_checkpoint_dir(label: str, path: str | Path) -> None:
+    if not Path(path).is_dir():
+        raise CpuQuantError(f"{label} {path} is not a directory")
+    if not (Path(path) / "config.json").is_file():
+        raise CpuQuantError(f"{label} {path} has no config.json")
+
+
+def _load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CpuQuantError(f"cannot load the tokenizer of {path}: "
+                            f"{str(exc).splitlines()[0]}") from None
+
+
+def _loading(progress: bool, what: str):
+    if progress:
+        import sys
+
+        print(f"loading {what} ...", file=sys.stderr, flush=True)
+
+
+def save_reference_logits(reference_path: str | Path, path: str | Path,
+                          settings: EvalSettings | None = None, progress: bool = False,
+                          dtype: torch.dtype = torch.float32) -> int:
+    """Run only the reference and save its side of the evaluation (``reference_logits``)."""
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
-    for label, path in (("quantized checkpoint", quantized_path), ("--reference", reference_path)):
-        if not Path(path).is_dir():
-            raise CpuQuantError(f"{label} {path} is not a directory")
-        if not (Path(path) / "config.json").is_file():
-            raise CpuQuantError(f"{label} {path} has no config.json")
-    try:
-        tok = AutoTokenizer.from_pretrained(reference_path)
-    except (OSError, ValueError) as exc:
-        raise CpuQuantError(f"cannot load the tokenizer of {reference_path}: "
-                            f"{str(exc).splitlines()[0]}") from None
-    reference = load_model(reference_path, dtype)
+    _check_checkpoint_dir("--reference", reference_path)
+    tok = _load_tokenizer(reference_path)
+    texts = _heldout_texts(settings)
+    scored, prompts = _eval_windows(tok, settings, texts)
+    _loading(progress, f"the reference {reference_path}")
+    ref = FreshReference(load_model(reference_path, dtype), keep=True)
+    from tqdm import tqdm
+
+    with torch.no_grad():
+        for i, ids in enumerate(tqdm(scored, desc="reference windows", unit="win",
+                                     disable=not progress)):
+            ref.window(i, ids)
+        ref.greedy(prompts, settings.new_tokens, progress)
+    return _write_saved(path, ref, scored, prompts, texts, settings, reference_path)
+
+
+def _write_saved(path, ref: FreshReference, scored, prompts, texts, settings, reference_path) -> int:
+    saved = SavedReference(scored, prompts, ref.greedy_tokens, ref.kept,
+                           text_fingerprint(texts), asdict(settings), str(reference_path))
+    return save_reference(path, saved)
+
+
+def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | None,
+                      settings: EvalSettings | None = None, progress: bool = False,
+                      dtype: torch.dtype = torch.float32,
+                      variants: tuple[str, ...] = ("weights",), *,
+                      reference_logits: str | Path | None = None,
+                      save_reference: str | Path | None = None) -> dict[str, FidelityReport]:
+    """Score ``quantized_path`` against the reference model, or against a file saved by
+    ``--save-reference`` (``reference_logits``: no reference model is loaded)."""
+    from .dequantized import load_model
+
+    settings = settings or EvalSettings()
+    _check_checkpoint_dir("quantized checkpoint", quantized_path)
+    if reference_logits is None:
+        if reference_path is None:
+            raise CpuQuantError("give --reference SRC or --reference-logits FILE")
+        _check_checkpoint_dir("--reference", reference_path)
+    tok = _load_tokenizer(reference_path if reference_logits is None else quantized_path)
+    texts = _heldout_texts(settings)
+    scored, prompts = _eval_windows(tok, settings, texts)
+    if reference_logits is not None:
+        saved = load_reference(reference_logits)
+        saved.check_matches(scored, prompts, text_fingerprint(texts), asdict(settings),
+                            Path(reference_logits))
+        reference: FreshReference | StoredReference = StoredReference(saved)
+    else:
+        _loading(progress, f"the reference {reference_path}")
+        reference = FreshReference(load_model(reference_path, dtype),
+                                   keep=save_reference is not None)
+    _loading(progress, f"the quantized checkpoint {quantized_path}")
     quantized = load_model(quantized_path, dtype)
-    return compare_models(reference, quantized, tok, settings, progress, variants)
+    reports = score_against(reference, quantized, tok, scored, prompts, settings, progress, variants)
+    if save_reference is not None and isinstance(reference, FreshReference):
+        _write_saved(save_reference, reference, scored, prompts, texts, settings, reference_path)
+    return reports

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..cli_conventions import json_option, stdout_for_json
 from ..cli_support import friendly_errors
 from .pipeline import DEFAULT_SCHEME, PhoneExportSettings
 from .pipeline import export_phone as run_export_phone
@@ -66,10 +67,11 @@ def print_summary(report: dict, out: str) -> None:
               help="Qualcomm SoC for the HTP lowering (used only with QNN_SDK_ROOT).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@json_option
 @friendly_errors
 def export_phone(src: str, out: str, backend: str, scheme: str | None, max_seq_len: int,
                  prefill_len: int, calib: str | None, calib_samples: int,
-                 group_size: int, soc: str, overwrite: bool, quiet: bool) -> None:
+                 group_size: int, soc: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
 
     Nothing is written to OUT unless the program passes verification against its own quantized
@@ -78,6 +80,8 @@ def export_phone(src: str, out: str, backend: str, scheme: str | None, max_seq_l
     settings = PhoneExportSettings(
         backend=backend, scheme=scheme, max_seq_len=max_seq_len, prefill_len=prefill_len,
         calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc)
-    report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
-    print_summary(report, out)
+    with stdout_for_json(as_json) as emit:
+        report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
+        print_summary(report, out)
+        emit({"command": "export-phone", "output": out, **report})
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from ..cli_conventions import json_option
 from ..cli_support import friendly_errors
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -34,7 +35,7 @@ def _emit_json(doc: dict) -> None:
 
 @click.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the findings as one JSON document.")
+@json_option
 @_one_line_errors
 def verify(directory: Path, as_json: bool) -> None:
     """Check an artifact (a GPTQ or cpu_int4 checkpoint directory, a GGUF file) at DIRECTORY;
@@ -56,7 +57,7 @@ def verify(directory: Path, as_json: bool) -> None:
 
 @click.command("inspect")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON document.")
+@json_option
 @_one_line_errors
 def inspect(directory: Path, as_json: bool) -> None:
     """Summarise an artifact at DIRECTORY: format, bits per weight, tensors, head, size."""
@@ -79,7 +80,7 @@ def inspect(directory: Path, as_json: bool) -> None:
               help="Decide for a recorded /proc/cpuinfo instead of this machine.")
 @click.option("--meminfo", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="A recorded /proc/meminfo to go with --cpuinfo.")
-@click.option("--json", "as_json", is_flag=True, help="Print the decision as one JSON document.")
+@json_option
 @_one_line_errors
 def probe(priority: str, target: str, cpuinfo: Path | None, meminfo: Path | None,
           as_json: bool) -> None:
