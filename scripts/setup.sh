@@ -34,4 +34,13 @@ if [ "$WITH_PEERS" = 1 ]; then
   echo "GPTQModel 7.6.0 peer venv ready"
   .venv/bin/python -m benchmarks.peers.llama_cpp_env >/dev/null
   echo "llama-cpp-python 0.3.36 peer venv ready"
+  # the report.html test renders the page in a real headless browser: Debian's chromium
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+      echo "chromium installed"
+    else
+      echo "note: no chromium (apt-get install chromium); the report.html browser test will skip"
+    fi
+  fi
 fi
