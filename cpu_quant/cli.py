@@ -62,9 +62,13 @@ def eval_cmd(quant: str, reference: str, windows: int, seqlen: int, prompts: int
              text: str | None, w4a8: bool, json_out: str | None) -> None:
     """Fidelity of a quantized checkpoint against its bf16 source on held-out text."""
     from .eval.fidelity import EvalSettings, evaluate_artifact
+    from .io.artifact import check_destination
 
     settings = EvalSettings(windows=windows, seqlen=seqlen, prompts=prompts, new_tokens=new_tokens,
                             text=text)
+    settings.validate()
+    if json_out:  # before minutes of evaluation, not after
+        check_destination(json_out, [quant, reference], overwrite=True, directory=False)
     variants = ("weights", "w4a8_emulated") if w4a8 else ("weights",)
     fid = evaluate_artifact(quant, reference, settings, progress=True, variants=variants)
     _print_fidelity(fid)

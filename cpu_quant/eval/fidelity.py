@@ -45,6 +45,12 @@ class EvalSettings:
         """The short version ``cpu-quant gptq`` runs at the end (well under a minute here)."""
         return cls(windows=8, seqlen=256, prompts=12, prompt_len=16, new_tokens=32)
 
+    def validate(self) -> None:
+        for flag, value, least in (("--windows", self.windows, 1), ("--prompts", self.prompts, 1),
+                                   ("--seqlen", self.seqlen, 2), ("--new-tokens", self.new_tokens, 1)):
+            if value < least:
+                raise CpuQuantError(f"{flag} must be >= {least} (got {value})")
+
 
 @dataclass
 class FidelityReport:
@@ -170,6 +176,7 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path,
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
+    settings.validate()
     for label, path in (("quantized checkpoint", quantized_path), ("--reference", reference_path)):
         if not Path(path).is_dir():
             raise CpuQuantError(f"{label} {path} is not a directory")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError, Interrupted, VerificationFailed
-from ..io.artifact import StagedOutput
+from ..io.artifact import StagedOutput, check_destination
 from . import qnn, xnnpack
 from .model import (
     StaticCausalLM,
@@ -228,6 +228,7 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     settings.validate()
+    check_destination(out, [src], overwrite)
     spec = read_spec(src)
     check_max_seq_len(spec, settings.max_seq_len)
     tok = _load_tokenizer(src)
@@ -238,7 +239,7 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
 
     # Refuse an existing OUT and take the lock before minutes of work; everything is written
     # into the staging directory, which is renamed to OUT only after verification passed.
-    with StagedOutput(out, overwrite=overwrite) as staged:
+    with StagedOutput(out, overwrite=overwrite, sources=[src]) as staged:
         try:
             report = _build_verify_write(src, staged, settings, tok, calib_windows, heldout,
                                          prompt_texts, prompts, timings, t0, progress)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
-from ..io.artifact import StagedOutput, write_shard_index
+from ..io.artifact import StagedOutput, check_destination, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from ..quantize.grid import GroupQuant
 from .base import ArtifactInfo, SafetensorsFormat, format_for_quant_method, get_format
@@ -47,6 +47,7 @@ def _exact(module: str, gq: GroupQuant, target: SafetensorsFormat, tensors: dict
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False
                        ) -> ConvertReport:
+    check_destination(dst, [src], overwrite)
     ckpt = open_checkpoint(src)
     qcfg = ckpt.config.get("quantization_config") or {}
     source = format_for_quant_method(qcfg.get("quant_method"))
@@ -84,7 +85,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         by_file.setdefault(file, []).append(name)
     shard_names: dict[str, list[str]] = {}
     total = 0
-    with StagedOutput(dst, overwrite=overwrite) as out:
+    with StagedOutput(dst, overwrite=overwrite, sources=[src]) as out:
         for file, names in sorted(by_file.items()):
             tensors: dict[str, torch.Tensor] = {}
             for name in names:

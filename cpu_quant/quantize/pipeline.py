@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import CpuQuantError, Interrupted
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
-from ..io.artifact import StagedOutput
+from ..io.artifact import StagedOutput, check_destination
 from ..io.checkpoint import open_checkpoint
 from ..memory import (
     MMAP_THRESHOLD,
@@ -226,8 +226,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     limits = check_formats(formats, settings)
     layout = ",".join(f.name for f in formats)
     src = Path(src)
-    if Path(dst).exists() and not overwrite:  # fail before any work, not after it
-        raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
+    check_destination(dst, [src], overwrite)  # fail before any work, not after it
     t_start = time.perf_counter()
     # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
     threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
@@ -241,8 +240,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     report.calibration_tokens = sum(b.numel() for b in batches)
     fingerprint = run_fingerprint(ckpt, settings, layout, batches)
 
-    with StagedOutput(dst, overwrite=overwrite, resume=resume) as out, StopRequest() as stop, \
-            ResumePoint() as resume_point:
+    staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src])
+    with staged as out, StopRequest() as stop, ResumePoint() as resume_point:
         state = load_state(out, fingerprint) if resume else RunState(fingerprint)
         offload = settings.offload_activations
         if not batches:
