@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from .conftest import run_cli
 
@@ -137,3 +139,101 @@ def test_eval_json_is_checked_before_the_evaluation(tiny_llama, tiny_gptq, tmp_p
 def test_eval_refuses_zero_prompts_or_windows(tiny_llama, tiny_gptq, flag):
     proc = run_cli("eval", str(tiny_gptq), "--reference", str(tiny_llama), flag, "0", check=False)
     one_error_line(proc, flag)
+
+
+# -- resume: the same model, the same layer --------------------------------------------------
+def _settings():
+    from cpu_quant.quantize.settings import QuantSettings
+
+    # what `gptq ... TINY_CALIB` asks for
+    return QuantSettings(group_size=32, samples=2, seqlen=32, batch_size=1)
+
+
+def _interrupted_run(src: Path, dst: Path) -> Path:
+    """A run stopped after its first layer, as Ctrl-C leaves it; its staging directory."""
+    from cpu_quant.quantize.pipeline import quantize_checkpoint
+
+    def stop(i: int, n: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, dst, _settings(), progress=False, on_layer=stop)
+    staging = dst.parent / f".{dst.name}.partial"
+    assert json.loads((staging / "cpu_quant_state.json").read_text())["completed_layers"] == 1
+    return staging
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_resume_refuses_another_model_of_the_same_shapes(demo_src, tiny_llama, tmp_path):
+    from .conftest import make_tiny_model
+
+    other = make_tiny_model("llama", tmp_path / "elsewhere" / "llama", demo_src, seed=1)
+    dst = tmp_path / "out"
+    staging = _interrupted_run(tiny_llama, dst)
+    before = tree_hash(staging)
+    proc = run_cli("gptq", str(other), str(dst), *TINY_CALIB, "--resume", check=False)
+    one_error_line(proc, "cannot resume: the source model's files or tensor contents differ")
+    assert tree_hash(staging) == before and not dst.exists()
+    proc = run_cli("gptq", str(tiny_llama), str(dst), *TINY_CALIB, "--samples", "3", "--resume",
+                   check=False)
+    one_error_line(proc, "the settings, formats or compute dtype and the calibration tokens differ")
+
+
+def test_content_digest_sees_a_changed_tensor_of_the_same_shape(tiny_llama, tmp_path):
+    from cpu_quant.io.checkpoint import open_checkpoint
+
+    src = Path(shutil.copytree(tiny_llama, tmp_path / "src"))
+    first = open_checkpoint(src).content_digest()
+    tensors = load_file(src / "model.safetensors")
+    w = tensors["model.layers.1.self_attn.o_proj.weight"]
+    tensors["model.layers.1.self_attn.o_proj.weight"] = w.flip(0).contiguous()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert open_checkpoint(src).content_digest() != first
+
+
+def test_resume_after_a_kill_between_the_activations_and_the_state(tiny_llama, tmp_path):
+    """The activations of layer 2 are in place, the state still says layer 1 (a kill between
+    the two writes): the resume uses layer 1's activations, kept until the state moved on, and
+    gives the uninterrupted run's artifact bit for bit."""
+    from cpu_quant.io.safetensors_writer import write_safetensors
+    from cpu_quant.quantize.pipeline import quantize_checkpoint
+
+    quantize_checkpoint(tiny_llama, tmp_path / "whole", _settings(), progress=False)
+    dst = tmp_path / "out"
+    staging = _interrupted_run(tiny_llama, dst)
+    saved = staging / "cpu_quant_hidden-00001.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(saved), framework="pt") as fh:
+        meta = fh.metadata()
+    ahead = {k: v + 1 for k, v in load_file(saved).items()}  # not layer 1's: must not be used
+    write_safetensors(staging / "cpu_quant_hidden-00002.safetensors", ahead,
+                      metadata={**meta, "completed_layers": "2"})
+    run_cli("gptq", str(tiny_llama), str(dst), *TINY_CALIB, "--resume")
+    whole, resumed = _tensors(tmp_path / "whole"), _tensors(dst)
+    assert sorted(whole) == sorted(resumed)
+    for name, t in whole.items():
+        assert torch.equal(t, resumed[name]), name
+    nothing_beside(dst)
+
+
+@pytest.mark.parametrize("stamp", [{"completed_layers": "2"}, {"fingerprint": "0" * 64}, {}])
+def test_resume_refuses_activations_of_another_layer_or_run(tiny_llama, tmp_path, stamp):
+    from safetensors import safe_open
+
+    from cpu_quant.io.safetensors_writer import write_safetensors
+
+    dst = tmp_path / "out"
+    staging = _interrupted_run(tiny_llama, dst)
+    saved = staging / "cpu_quant_hidden-00001.safetensors"
+    with safe_open(str(saved), framework="pt") as fh:
+        meta = fh.metadata()
+    # {}: no stamp at all, as the activations of a run without layer numbers
+    write_safetensors(saved, load_file(saved), metadata={**meta, **stamp} if stamp else None)
+    before = tree_hash(staging)
+    proc = run_cli("gptq", str(tiny_llama), str(dst), *TINY_CALIB, "--resume", check=False)
+    one_error_line(proc, "cannot resume")
+    assert tree_hash(staging) == before and not dst.exists()

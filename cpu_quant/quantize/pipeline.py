@@ -44,11 +44,11 @@ from .hessians import HessianAccumulator, gram
 from .plan import HEAD_NAME, LinearPlan, check_group, dynamic_overrides, plan_linear
 from .provenance import provenance
 from .resume import (
-    HIDDEN_FILE,
     STATE_FILE,
     ResumePoint,
     RunState,
     load_state,
+    remove_hidden_files,
     restore_hidden,
     run_fingerprint,
     write_resume_point,
@@ -248,7 +248,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             hidden = []
         elif state.completed_layers:  # resumed: record the layers' call arguments only
             stream.capture(batches, into=Discard())
-            hidden = restore_hidden(out, state.completed_layers, len(batches), offload)
+            hidden = restore_hidden(out, state.completed_layers, len(batches), offload,
+                                    fingerprint)
         else:
             hidden = stream.capture(batches, into=DiskActivations(out.path(ACTIVATIONS_DIR), 0)
                                     if offload else [])
@@ -316,8 +317,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         report.true_sequential_layers = state.true_sequential_layers
         report.phase_seconds = state.phase_seconds
         resume_point.wait()
-        for name in (STATE_FILE, HIDDEN_FILE):
-            out.path(name).unlink(missing_ok=True)
+        out.path(STATE_FILE).unlink(missing_ok=True)
+        remove_hidden_files(out)
         shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
         sinks.finish(ArtifactInfo(src, ckpt.config, settings.group_size, head_plan.quantize,
                                   dynamic, settings.symmetric,
