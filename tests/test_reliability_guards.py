@@ -237,3 +237,186 @@ def test_resume_refuses_activations_of_another_layer_or_run(tiny_llama, tmp_path
     proc = run_cli("gptq", str(tiny_llama), str(dst), *TINY_CALIB, "--resume", check=False)
     one_error_line(proc, "cannot resume")
     assert tree_hash(staging) == before and not dst.exists()
+
+
+# -- bad input: one line, nothing written, the source unchanged ------------------------------
+def refused(args: list[str], needle: str, src: Path, dst: Path | None = None) -> str:
+    before = tree_hash(src)
+    line = one_error_line(run_cli(*args, check=False), needle)
+    assert tree_hash(src) == before
+    if dst is not None:
+        assert not dst.exists()
+        nothing_beside(dst)
+    return line
+
+
+def _edit_header(path: Path, edit) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_header_offsets_that_disagree_with_the_shape(src, tmp_path):
+    def shrink(header):
+        header["model.layers.0.mlp.up_proj.weight"]["shape"][0] //= 2
+
+    _edit_header(src / "model.safetensors", shrink)
+    dst = tmp_path / "out"
+    refused(["gptq", str(src), str(dst), *RTN], "its offsets give", src, dst)
+
+
+def test_weight_map_that_is_a_list(src, tmp_path):
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
+    dst = tmp_path / "out"
+    refused(["gptq", str(src), str(dst), *RTN], "weight_map must map", src, dst)
+
+
+@pytest.mark.parametrize("fault", ["missing", "corrupt", "auto_map"])
+def test_tokenizer_missing_corrupt_or_naming_code(src, tmp_path, fault):
+    if fault == "missing":
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (src / name).unlink(missing_ok=True)
+    elif fault == "corrupt":
+        (src / "tokenizer.json").write_text("{not json")
+    else:
+        _edit_json(src / "tokenizer_config.json",
+                   lambda d: d.update(auto_map={"AutoTokenizer": ["tok.EvilTokenizer", None]}))
+    dst = tmp_path / "out"
+    refused(["gptq", str(src), str(dst), *TINY_CALIB], "tokenizer", src, dst)
+
+
+def test_non_utf8_jsonl_calibration(tiny_llama, tmp_path):
+    calib = tmp_path / "calib.jsonl"
+    calib.write_bytes(b'{"text": "caf\xe9"}\n')
+    dst = tmp_path / "out"
+    refused(["gptq", str(tiny_llama), str(dst), *TINY_CALIB, "--calib", str(calib)], "not UTF-8",
+            tiny_llama, dst)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_batch_size_below_one(tiny_llama, tmp_path, value):
+    dst = tmp_path / "out"
+    refused(["gptq", str(tiny_llama), str(dst), "--batch-size", value, "--no-eval"],
+            "--batch-size must be >= 1", tiny_llama, dst)
+
+
+def test_seqlen_beyond_the_models_context(tiny_llama, tiny_gptq, tmp_path):
+    dst = tmp_path / "out"  # the tiny model's max_position_embeddings is 1024
+    refused(["gptq", str(tiny_llama), str(dst), "--seqlen", "2048", "--no-eval"],
+            "--seqlen 2048 is beyond the model's context of 1024", tiny_llama, dst)
+    refused(["eval", str(tiny_gptq), "--reference", str(tiny_llama), "--seqlen", "2048"],
+            "--seqlen 2048 is beyond", tiny_llama)
+
+
+def test_integer_weights_are_refused(src, tmp_path):
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    dst = tmp_path / "out"
+    refused(["gptq", str(src), str(dst), *RTN], f"tensor {name} is I8", src, dst)
+
+
+def test_eval_refuses_a_model_with_nan_weights(src, tiny_llama, tmp_path):
+    tensors = load_file(src / "model.safetensors")
+    w = tensors["model.layers.0.mlp.up_proj.weight"].clone()
+    w[0, 0] = float("nan")
+    tensors["model.layers.0.mlp.up_proj.weight"] = w
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "r.json"
+    refused(["eval", str(src), "--reference", str(tiny_llama), "--windows", "1", "--prompts", "1",
+             "--seqlen", "32", "--new-tokens", "2", "--json", str(out)], "NaN or Inf logits", src)
+    assert not out.exists()
+
+
+def test_head_group_errors_name_the_head_group_flag(tiny_llama, tmp_path):
+    dst = tmp_path / "out"  # hidden 64: --head-group 128 does not divide the head
+    refused(["gptq", str(tiny_llama), str(dst), *RTN, "--head-group", "128", "--strict-group"],
+            "--head-group 128 does not divide", tiny_llama, dst)
+
+
+def test_phone_settings_errors_name_only_real_flags(src, tmp_path):
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.export.pipeline import PhoneExportSettings
+
+    for field_name in ("calib_decode_tokens", "verify_len"):
+        with pytest.raises(CpuQuantError) as exc:
+            PhoneExportSettings(**{field_name: -1}).validate()
+        assert f"PhoneExportSettings.{field_name}" in str(exc.value)
+        assert "--" not in str(exc.value)
+    dst = tmp_path / "out"
+    refused(["export-phone", str(src), str(dst), "--calib-samples", "-1"],
+            "--calib-samples must be >= 0", src, dst)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.pop("intermediate_size"), "intermediate_size is missing"),
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a positive"),
+    (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive"),
+])
+def test_export_phone_config_values(src, tmp_path, edit, needle):
+    _edit_json(src / "config.json", edit)
+    dst = tmp_path / "out"
+    refused(["export-phone", str(src), str(dst), "--backend", "xnnpack"], needle, src, dst)
+
+
+# -- convert and inspect: what verify rejects is never written -------------------------------
+def _first(names, suffix: str) -> str:
+    return next(n for n in sorted(names) if n.endswith(suffix))
+
+
+def _scales_with_nan(q: Path) -> None:
+    f = next(q.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = _first(tensors, ".scales")
+    s = tensors[name].clone()
+    s.view(-1)[0] = float("nan")
+    tensors[name] = s
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fault, needle", [
+    ("group", "fails verify"),
+    ("nan_scale", "a stored scale is NaN or Inf"),
+    ("regex", "not a valid regex"),
+    ("bits_type", "quantization_config.bits is '4'"),
+    ("report_list", "not a JSON object"),
+])
+def test_convert_refuses_what_verify_rejects(tiny_gptq, tmp_path, fault, needle):
+    q = Path(shutil.copytree(tiny_gptq, tmp_path / "q"))
+    qcfg = lambda c: c["quantization_config"]  # noqa: E731
+    if fault == "group":
+        _edit_json(q / "config.json", lambda c: qcfg(c).update(group_size=64))
+    elif fault == "nan_scale":
+        _scales_with_nan(q)
+    elif fault == "regex":
+        _edit_json(q / "config.json", lambda c: qcfg(c).update(dynamic={"-:model.(": {}}))
+    elif fault == "bits_type":
+        _edit_json(q / "config.json", lambda c: qcfg(c).update(bits="4"))
+    else:
+        (q / "quantization_report.json").write_text("[1, 2]")
+    dst = tmp_path / "out"
+    refused(["convert", str(q), str(dst), "--to", "cpu_int4"], needle, q, dst)
+
+
+@pytest.mark.parametrize("fault", ["bits_type", "report_types"])
+def test_inspect_with_wrong_value_types(tiny_gptq, tmp_path, fault):
+    q = Path(shutil.copytree(tiny_gptq, tmp_path / "q"))
+    if fault == "bits_type":
+        _edit_json(q / "config.json", lambda c: c["quantization_config"].update(bits=[4]))
+        refused(["inspect", str(q)], "quantization_config.bits", q)
+        return
+    _edit_json(q / "quantization_report.json",
+               lambda r: r.update(settings=[1], tensors=3, plan_notes=7))
+    proc = run_cli("inspect", str(q), check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

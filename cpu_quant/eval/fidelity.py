@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..data.corpus import load_texts, token_windows
 from ..errors import CpuQuantError
+from ..io.checkpoint import load_tokenizer, model_context, open_checkpoint
 
 
 @dataclass
@@ -124,6 +125,14 @@ def w4a8_activations(model):
 VARIANTS = {"weights": nullcontext, "w4a8_emulated": w4a8_activations}
 
 
+def _finite(logprobs: torch.Tensor, which: str) -> torch.Tensor:
+    """NaN or Inf logits (from non-finite weights) would make every metric NaN: refuse."""
+    if not bool(torch.isfinite(logprobs).all()):
+        raise CpuQuantError(f"{which} produces NaN or Inf logits (its weights are not finite); "
+                            "no fidelity can be measured")
+    return logprobs
+
+
 @torch.no_grad()
 def compare_models(reference, quantized, tokenizer, settings: EvalSettings,
                    progress: bool = False, variants: tuple[str, ...] = ("weights",)
@@ -138,11 +147,13 @@ def compare_models(reference, quantized, tokenizer, settings: EvalSettings,
     for ids in tqdm(scored, desc="eval windows", disable=not progress):
         ids = ids[None]
         target = ids[0, 1:]
-        lr = F.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1)
+        lr = _finite(F.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1),
+                     "the reference")
         nll_ref -= float(lr.gather(-1, target[:, None]).sum())
         for v in variants:
             with VARIANTS[v](quantized):
-                lq = F.log_softmax(quantized(input_ids=ids).logits[0, :-1].float(), -1)
+                lq = _finite(F.log_softmax(quantized(input_ids=ids).logits[0, :-1].float(), -1),
+                             "the quantized checkpoint")
             acc[v]["kl"] += float((lr.exp() * (lr - lq)).sum())
             acc[v]["nll"] -= float(lq.gather(-1, target[:, None]).sum())
             acc[v]["agree"] += int((lr.argmax(-1) == lq.argmax(-1)).sum())
@@ -171,8 +182,6 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path,
                       settings: EvalSettings | None = None, progress: bool = False,
                       dtype: torch.dtype = torch.float32,
                       variants: tuple[str, ...] = ("weights",)) -> dict[str, FidelityReport]:
-    from transformers import AutoTokenizer
-
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
@@ -182,11 +191,11 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path,
             raise CpuQuantError(f"{label} {path} is not a directory")
         if not (Path(path) / "config.json").is_file():
             raise CpuQuantError(f"{label} {path} has no config.json")
-    try:
-        tok = AutoTokenizer.from_pretrained(reference_path)
-    except (OSError, ValueError) as exc:
-        raise CpuQuantError(f"cannot load the tokenizer of {reference_path}: "
-                            f"{str(exc).splitlines()[0]}") from None
+    context = model_context(open_checkpoint(reference_path).config)
+    if context is not None and settings.seqlen > context:
+        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
+                            f"{context} tokens (max_position_embeddings)")
+    tok = load_tokenizer(reference_path)
     reference = load_model(reference_path, dtype)
     quantized = load_model(quantized_path, dtype)
     return compare_models(reference, quantized, tok, settings, progress, variants)

@@ -30,7 +30,7 @@ from ..errors import CpuQuantError, Interrupted
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
 from ..io.artifact import StagedOutput, check_destination
-from ..io.checkpoint import open_checkpoint
+from ..io.checkpoint import INTEGER_DTYPES, load_tokenizer, model_context, open_checkpoint
 from ..memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
@@ -63,15 +63,28 @@ CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offload
 
 
 def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor]:
-    from transformers import AutoTokenizer
-
     from ..data.corpus import load_texts, token_windows
 
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = load_tokenizer(src)
     windows = token_windows(tok, load_texts(settings.calib, "calibration"), settings.samples,
                             settings.seqlen)
     ids = torch.tensor(windows, dtype=torch.long)
     return list(torch.split(ids, settings.batch_size))
+
+
+def check_source(ckpt, settings: QuantSettings) -> None:
+    """Refuse, before any work, a source the run cannot quantize faithfully: integer weights
+    (an already-quantized or foreign checkpoint would be cast to float without a word) and a
+    calibration window longer than the model's context."""
+    ints = [n for n in ckpt.names if n.endswith(".weight") and ckpt.dtype(n) in INTEGER_DTYPES]
+    if ints:
+        raise CpuQuantError(f"tensor {ints[0]} is {ckpt.dtype(ints[0])} ({len(ints)} integer "
+                            "weights): cpu-quant quantizes floating-point checkpoints (bf16, "
+                            "fp16, fp32), not already-quantized ones")
+    context = model_context(ckpt.config)
+    if not settings.data_free and context is not None and settings.seqlen > context:
+        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
+                            f"{context} tokens (max_position_embeddings)")
 
 
 def check_formats(formats: list[Format], settings: QuantSettings) -> Limits:
@@ -187,7 +200,8 @@ class LayerQuantizer:
         head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
         vocab, hidden_size = head_w.shape
         head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
-                                settings.strict_group, self.limits, quantize=settings.quantize_head)
+                                settings.strict_group, self.limits, quantize=settings.quantize_head,
+                                flag="--head-group" if settings.head_group else "--group")
         if head_plan.quantize:
             hess = None
             if hidden:
@@ -232,6 +246,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
     mmap_pinned = pin_mmap_threshold(threshold)
     ckpt = open_checkpoint(src)
+    check_source(ckpt, settings)
     stream = LayerStream(ckpt)
     report = QuantReport(settings=asdict(settings), layout=layout, provenance=provenance(src))
     report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
