@@ -267,8 +267,8 @@ def _edit_json(path: Path, edit) -> None:
 
 
 def test_header_offsets_that_disagree_with_the_shape(src, tmp_path):
-    def shrink(header):
-        header["model.layers.0.mlp.up_proj.weight"]["shape"][0] //= 2
+    def shrink(header):  # the shape still matches the config; the bytes do not
+        header["model.layers.0.mlp.up_proj.weight"]["data_offsets"][1] -= 2
 
     _edit_header(src / "model.safetensors", shrink)
     dst = tmp_path / "out"
