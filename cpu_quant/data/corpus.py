@@ -52,7 +52,12 @@ def _read_user_file(path: Path) -> list[str]:
         return [path.read_text(encoding="utf-8", errors="replace")]
     if path.suffix == ".jsonl":
         texts = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CpuQuantError(f"{path}: not UTF-8 text (byte {exc.start}); .jsonl files must "
+                                "be UTF-8") from None
+        for lineno, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
             try:

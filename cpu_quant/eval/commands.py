@@ -44,6 +44,12 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
         raise CpuQuantError("give QUANT (the checkpoint to score), or --save-reference FILE to "
                             "save the reference's logits only")
     ref_path = resolve_checkpoint(reference, "--reference") if reference else None
+    settings.validate()
+    if output_json:  # before minutes of evaluation, not after
+        from ..io.artifact import check_destination
+
+        check_destination(output_json, [p for p in (quant, reference) if p], overwrite=True,
+                          directory=False)
     doc: dict = {"command": "eval", "quantized": quant, "reference": str(ref_path) if ref_path else None,
                  "reference_logits": reference_logits, "settings": settings.__dict__.copy()}
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..data.corpus import load_texts, token_windows
 from ..errors import CpuQuantError
+from ..io.checkpoint import load_tokenizer, model_context, open_checkpoint
 from . import stats
 from .reference_logits import (
     ExactWindow,
@@ -162,7 +163,7 @@ class FreshReference:
         finally:
             if hook is not None:
                 hook.remove()
-        window = ExactWindow(F.log_softmax(logits, -1), ids[1:])
+        window = ExactWindow(_finite(F.log_softmax(logits, -1), "the reference"), ids[1:])
         if self.keep:
             kept = WindowReference(captured[-1][0, :-1].float().clone(), head.weight.detach(),
                                    torch.logsumexp(logits, -1), window.nll)
@@ -224,7 +225,8 @@ def score_against(reference: FreshReference | StoredReference, quantized, tokeni
         target = ids[1:]
         for v in variants:
             with VARIANTS[v](quantized):
-                lq = F.log_softmax(quantized(input_ids=ids[None]).logits[0, :-1].float(), -1)
+                lq = _finite(F.log_softmax(quantized(input_ids=ids[None]).logits[0, :-1].float(),
+                                           -1), "the quantized checkpoint")
             per[v]["kl"].append(ref.kl(lq))
             per[v]["nll"].append(-lq.gather(-1, target[:, None])[:, 0])
             per[v]["agree"].append(ref.argmax == lq.argmax(-1))
@@ -254,6 +256,21 @@ def compare_models(reference, quantized, tokenizer, settings: EvalSettings,
                          settings, progress, variants)
 
 
+def _finite(logprobs: torch.Tensor, which: str) -> torch.Tensor:
+    """NaN or Inf logits (from non-finite weights) would make every metric NaN: refuse."""
+    if not bool(torch.isfinite(logprobs).all()):
+        raise CpuQuantError(f"{which} produces NaN or Inf logits (its weights are not finite); "
+                            "no fidelity can be measured")
+    return logprobs
+
+
+def _check_context(path: str | Path, settings: EvalSettings) -> None:
+    context = model_context(open_checkpoint(path).config)
+    if context is not None and max(settings.seqlen, settings.prompt_len + settings.new_tokens) > context:
+        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
+                            f"{context} tokens (max_position_embeddings)")
+
+
 def _check_checkpoint_dir(label: str, path: str | Path) -> None:
     if not Path(path).is_dir():
         raise CpuQuantError(f"{label} {path} is not a directory")
@@ -262,13 +279,7 @@ def _check_checkpoint_dir(label: str, path: str | Path) -> None:
 
 
 def _load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CpuQuantError(f"cannot load the tokenizer of {path}: "
-                            f"{str(exc).splitlines()[0]}") from None
+    return load_tokenizer(path)
 
 
 def _loading(progress: bool, what: str):
@@ -285,7 +296,9 @@ def save_reference_logits(reference_path: str | Path, path: str | Path,
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
+    settings.validate()
     _check_checkpoint_dir("--reference", reference_path)
+    _check_context(reference_path, settings)
     tok = _load_tokenizer(reference_path)
     texts = _heldout_texts(settings)
     scored, prompts = _eval_windows(tok, settings, texts)
@@ -318,7 +331,9 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | N
     from .dequantized import load_model
 
     settings = settings or EvalSettings()
+    settings.validate()
     _check_checkpoint_dir("quantized checkpoint", quantized_path)
+    _check_context(quantized_path, settings)
     if reference_logits is None:
         if reference_path is None:
             raise CpuQuantError("give --reference SRC or --reference-logits FILE")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..errors import CpuQuantError
+
 
 @dataclass
 class EvalSettings:
@@ -28,6 +30,12 @@ class EvalSettings:
     def quick(cls) -> EvalSettings:
         """The short version ``cpu-quant gptq`` runs at the end."""
         return cls(windows=8, seqlen=256, prompts=12, prompt_len=16, new_tokens=32)
+
+    def validate(self) -> None:
+        for flag, value, least in (("--windows", self.windows, 1), ("--prompts", self.prompts, 1),
+                                   ("--seqlen", self.seqlen, 2), ("--new-tokens", self.new_tokens, 1)):
+            if value < least:
+                raise CpuQuantError(f"{flag} must be >= {least} (got {value})")
 
     def with_overrides(self, **values) -> EvalSettings:
         """A copy with the given fields replaced, ``None`` values ignored."""

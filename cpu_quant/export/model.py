@@ -78,31 +78,49 @@ def read_spec(src: str | Path) -> DecoderSpec:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CpuQuantError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise CpuQuantError(f"{cfg_path}: expected a JSON object")
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CpuQuantError(f"export-phone supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
                             f"this checkpoint is {arch or 'of unknown architecture'}")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CpuQuantError(f"export-phone supports SiLU-gated MLPs; this model uses {act}")
-    n_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    def positive(key: str, default: int | None = None) -> int:
+        value = cfg.get(key) if cfg.get(key) is not None else default
+        if value is None:
+            raise CpuQuantError(f"{cfg_path}: {key} is missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CpuQuantError(f"{cfg_path}: {key} must be a positive integer, not {value!r}")
+        return value
+
+    n_heads = positive("num_attention_heads")
+    hidden = positive("hidden_size")
+    if hidden % n_heads and cfg.get("head_dim") is None:
+        raise CpuQuantError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
+                            f"num_attention_heads {n_heads}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, int | float):
+        raise CpuQuantError(f"{cfg_path}: rms_norm_eps must be a number, not {eps!r}")
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if sliding is not None:
+        sliding = positive("sliding_window")
     return DecoderSpec(
         architecture=arch,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=positive("vocab_size"),
         hidden_size=hidden,
-        n_layers=int(cfg["num_hidden_layers"]),
+        n_layers=positive("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=positive("num_key_value_heads", n_heads),
+        head_dim=positive("head_dim", hidden // n_heads),
+        intermediate_size=positive("intermediate_size"),
+        rms_eps=float(eps),
         qk_norm=arch == "Qwen3ForCausalLM",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_context=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=int(sliding) if sliding else None,
+        max_context=positive("max_position_embeddings", 2048),
+        sliding_window=sliding,
     )
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError, Interrupted, VerificationFailed
-from ..io.artifact import StagedOutput
+from ..io.artifact import StagedOutput, check_destination
+from ..io.checkpoint import load_tokenizer
 from . import qnn, xnnpack
 from .model import (
     StaticCausalLM,
@@ -43,6 +44,11 @@ DEFAULT_SCHEME = {"qnn": "w8a16", "xnnpack": "8da8w"}
 # n-gram length for the calibration/held-out overlap check: long enough that common phrases
 # do not collide, short enough to catch a held-out passage pasted into --calib.
 OVERLAP_NGRAM = 24
+
+
+# the settings that are command-line options, by their flag; the rest only the Python API sets
+SETTING_NAMES = {"prefill_len": "--prefill-len", "calib_samples": "--calib-samples",
+                 "max_seq_len": "--max-seq-len", "group_size": "--group-size"}
 
 
 @dataclass
@@ -77,11 +83,12 @@ class PhoneExportSettings:
         if self.backend == "xnnpack" and self.calib is not None:
             raise CpuQuantError("--calib applies to --backend qnn only: the XNNPACK schemes "
                                 "quantize activations at run time and calibrate nothing")
-        for name in ("prefill_len", "calib_len", "verify_len", "verify_windows", "gen_tokens"):
-            if getattr(self, name) < 1:
-                raise CpuQuantError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.calib_samples < 0 or self.calib_decode_tokens < 0:
-            raise CpuQuantError("--calib-samples and --calib-decode-tokens must be >= 0")
+        for name, least in (("prefill_len", 1), ("calib_len", 1), ("verify_len", 1),
+                            ("verify_windows", 1), ("gen_tokens", 1), ("calib_samples", 0),
+                            ("calib_decode_tokens", 0)):
+            if getattr(self, name) < least:
+                raise CpuQuantError(f"{SETTING_NAMES.get(name, 'PhoneExportSettings.' + name)} "
+                                    f"must be >= {least}, got {getattr(self, name)}")
 
     def shape(self, model: StaticCausalLM) -> GraphShape:
         s = model.spec
@@ -99,16 +106,6 @@ class Built:
     extra_files: dict[str, str]  # written next to model.pte: name -> what it is
     qnn_lowering: str | None = None
     qnn_programs: dict | None = None  # method -> ExportedProgram, saved as qnn_<method>.pt2
-
-
-def _load_tokenizer(src: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError) as exc:
-        raise CpuQuantError(f"cannot load the tokenizer from {src}: "
-                            f"{str(exc).splitlines()[0]}") from None
 
 
 def _ngrams(ids: list[int]) -> set[int]:
@@ -228,9 +225,10 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     settings.validate()
+    check_destination(out, [src], overwrite)
     spec = read_spec(src)
     check_max_seq_len(spec, settings.max_seq_len)
-    tok = _load_tokenizer(src)
+    tok = load_tokenizer(src)
     calib_windows = calibration_windows(tok, settings) if settings.backend == "qnn" else []
     heldout = heldout_windows(tok, settings)
     check_no_overlap(calib_windows, heldout)
@@ -238,7 +236,7 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
 
     # Refuse an existing OUT and take the lock before minutes of work; everything is written
     # into the staging directory, which is renamed to OUT only after verification passed.
-    with StagedOutput(out, overwrite=overwrite) as staged:
+    with StagedOutput(out, overwrite=overwrite, sources=[src]) as staged:
         try:
             report = _build_verify_write(src, staged, settings, tok, calib_windows, heldout,
                                          prompt_texts, prompts, timings, t0, progress)

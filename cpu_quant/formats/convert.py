@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
-from ..io.artifact import StagedOutput, write_shard_index
+from ..io.artifact import StagedOutput, check_destination, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from ..quantize.grid import GroupQuant
+from ..verify.checks import config_unusable
 from .base import ArtifactInfo, SafetensorsFormat, format_for_quant_method, get_format
 from .safetensors_sink import artifact_config
 
@@ -45,10 +46,45 @@ def _exact(module: str, gq: GroupQuant, target: SafetensorsFormat, tensors: dict
                             "stored scales or zeros round them); not converted")
 
 
+def _read_report(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        raise CpuQuantError(f"{path}: not valid JSON; not converted") from None
+    if not isinstance(data, dict):
+        raise CpuQuantError(f"{path}: not a JSON object; not converted")
+    return data
+
+
+def _refuse_unverified(out: StagedOutput) -> None:
+    """Run ``verify``'s self-consistency checks on the staged output: convert never writes what
+    its own verify rejects (scales that disagree with the config's group, a non-finite scale, a
+    bad dynamic rule). The architecture checks are left out: convert keeps the source's
+    tensors, so their agreement with the config is the source's, and verify reports it."""
+    from ..verify.checks import SELF_CONSISTENCY_CHECKS, verify_checkpoint
+
+    report = verify_checkpoint(out.staging, SELF_CONSISTENCY_CHECKS)
+    if report.errors:
+        first = report.errors[0]
+        raise CpuQuantError(f"the converted checkpoint fails verify ({len(report.errors)} "
+                            f"error(s); first: {first.tensor or 'config'}: {first.message}); "
+                            "not converted")
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False
                        ) -> ConvertReport:
+    check_destination(dst, [src], overwrite)
     ckpt = open_checkpoint(src)
     qcfg = ckpt.config.get("quantization_config") or {}
+    if not isinstance(qcfg, dict):
+        raise CpuQuantError(f"{ckpt.path}: quantization_config is not a JSON object")
+    why = config_unusable(qcfg)
+    if why:
+        raise CpuQuantError(f"{ckpt.path}: {why}; not converted")
+    for key, kind in (("quant_method", str), ("lm_head", bool)):
+        if qcfg.get(key) is not None and not isinstance(qcfg[key], kind):
+            raise CpuQuantError(f"{ckpt.path}: quantization_config.{key} is {qcfg[key]!r}, not "
+                                f"{kind.__name__}; not converted")
     source = format_for_quant_method(qcfg.get("quant_method"))
     if source is None:
         raise CpuQuantError(f"{ckpt.path} is not a checkpoint of a format convert reads "
@@ -68,6 +104,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     target_cfg = {"format_version": 1}
     for m in modules:
         gq = source.unpack(source.read_tensors(ckpt, m), qcfg, m)
+        if not bool(torch.isfinite(gq.scales).all()):
+            raise CpuQuantError(f"{m}: a stored scale is NaN or Inf; not converted")
         if gq.zeros is not None:
             symmetric = False
             if not target.limits.stores_zeros:
@@ -84,7 +122,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         by_file.setdefault(file, []).append(name)
     shard_names: dict[str, list[str]] = {}
     total = 0
-    with StagedOutput(dst, overwrite=overwrite) as out:
+    with StagedOutput(dst, overwrite=overwrite, sources=[src]) as out:
         for file, names in sorted(by_file.items()):
             tensors: dict[str, torch.Tensor] = {}
             for name in names:
@@ -109,10 +147,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
                                len(modules), groups)
         report_src = ckpt.path / "quantization_report.json"
         if report_src.is_file():
-            data = json.loads(report_src.read_text())
+            data = _read_report(report_src)
             data["layout"] = target.name
             data["converted"] = report.as_dict()
             out.write_json("quantization_report.json", data)
+        _refuse_unverified(out)
         final = out.commit()
     ckpt.close()
     report.output = str(final)

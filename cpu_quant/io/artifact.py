@@ -7,14 +7,23 @@ gone is taken over). Shards are written into the staging directory; ``commit()``
 or when the run asks (``keep_on_exit``), it is kept for ``--resume``. It never holds a
 ``config.json`` before the commit, so nothing half-written looks like a finished artifact.
 ``OSError`` from a full disk or an unwritable directory becomes a one-line ``CpuQuantError``.
+
+:func:`check_destination` is the one guard for every command's output path (``gptq``,
+``tinygemm``, ``convert``, ``export-phone``, ``eval --json``): the output may not be a source,
+an ancestor of one, or inside one (symlinks resolved), and ``--overwrite`` replaces only what
+cpu-quant itself wrote (:func:`is_replaceable_artifact`) or an empty directory. ``commit()``
+swaps the new directory with the old one in one ``renameat2(RENAME_EXCHANGE)`` and removes
+the old one from the staging name, so nothing new is ever left beside ``dst``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -47,11 +56,101 @@ def describe_os_error(exc: OSError, where: Path) -> str:
     return f"cannot write {where}: {exc.strerror or exc}"
 
 
+# what marks a directory as written by cpu-quant: a format's config, a quantization report,
+# an export-phone report
+ARTIFACT_MARKERS = ("quantization_report.json", "export_report.json")
+
+
+def _has_quantization_config(config: Path) -> bool:
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("quantization_config"), dict)
+
+
+def is_replaceable_artifact(directory: Path, _depth: int = 0) -> bool:
+    """Is ``directory`` something ``--overwrite`` may replace: empty, a cpu-quant artifact
+    (a ``config.json`` with ``quantization_config``, a ``quantization_report.json``, an
+    ``export_report.json``), or a multi-format output whose every entry is such an artifact?"""
+    entries = list(directory.iterdir())
+    if not entries:
+        return True
+    if any((directory / m).is_file() for m in ARTIFACT_MARKERS):
+        return True
+    # a file format's artifact names its report after its file (``X-Q4_0.quantization_report.json``)
+    if any(e.is_file() and e.name.endswith(".quantization_report.json") for e in entries):
+        return True
+    if _has_quantization_config(directory / "config.json"):
+        return True
+    return _depth == 0 and all(e.is_dir() and not e.is_symlink()
+                               and is_replaceable_artifact(e, 1) for e in entries)
+
+
+def check_destination(dst: str | Path, sources: Iterable[str | Path], overwrite: bool,
+                      *, directory: bool = True) -> None:
+    """Refuse an output path that would destroy or write into a source, or replace something
+    cpu-quant did not write. ``directory=False`` for an output file (``eval --json``)."""
+    dst_path = Path(dst)
+    real = dst_path.resolve()
+    for src in sources:
+        src_real = Path(src).resolve()
+        if real == src_real:
+            raise CpuQuantError(f"output {dst} is the source {src}; choose another output path")
+        if real in src_real.parents:
+            raise CpuQuantError(f"output {dst} contains the source {src}; choose another "
+                                "output path")
+        if src_real in real.parents:
+            raise CpuQuantError(f"output {dst} is inside the source {src}; choose another "
+                                "output path")
+    if not real.parent.is_dir():
+        raise CpuQuantError(f"output parent directory {dst_path.parent} does not exist")
+    if not (dst_path.exists() or dst_path.is_symlink()):
+        return
+    if not directory:
+        if dst_path.is_dir():
+            raise CpuQuantError(f"output {dst} is a directory; give a file name")
+        return
+    if not overwrite:
+        raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
+    if dst_path.is_symlink() or not dst_path.is_dir():
+        raise CpuQuantError(f"output {dst} is not a directory; --overwrite replaces only a "
+                            "cpu-quant artifact or an empty directory")
+    if not is_replaceable_artifact(dst_path):
+        raise CpuQuantError(f"output {dst} is not a cpu-quant artifact (no config.json with "
+                            "quantization_config, no quantization_report.json or "
+                            "export_report.json) and not empty; --overwrite replaces only those")
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where
+    the system call is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):  # old kernel, or a filesystem without the flag
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 class StagedOutput:
-    def __init__(self, dst: str | Path, overwrite: bool = False, resume: bool = False) -> None:
+    def __init__(self, dst: str | Path, overwrite: bool = False, resume: bool = False,
+                 sources: Iterable[str | Path] = ()) -> None:
         self.dst = Path(dst).absolute()
         self.overwrite = overwrite
         self.resume = resume
+        self.sources = list(sources)
         # set by a run that stopped at a safe point: keep the staging directory for --resume
         self.keep_on_exit = False
         self.staging = self.dst.parent / f".{self.dst.name}.partial"
@@ -59,11 +158,7 @@ class StagedOutput:
         self._locked = False
 
     def __enter__(self) -> StagedOutput:
-        if self.dst.exists() and not self.overwrite:
-            raise CpuQuantError(f"output {self.dst} already exists (use --overwrite to replace it)")
-        parent = self.dst.parent
-        if not parent.is_dir():
-            raise CpuQuantError(f"output parent directory {parent} does not exist")
+        check_destination(self.dst, self.sources, self.overwrite)
         self._take_lock()
         try:
             if self.resume:
@@ -137,11 +232,16 @@ class StagedOutput:
     def commit(self) -> Path:
         try:
             if self.dst.exists():
-                trash = self.dst.parent / f".{self.dst.name}.old"
-                shutil.rmtree(trash, ignore_errors=True)
-                os.replace(self.dst, trash)
-                os.replace(self.staging, self.dst)
-                shutil.rmtree(trash, ignore_errors=True)
+                # checked again here: the run may have taken hours since __enter__
+                check_destination(self.dst, self.sources, self.overwrite)
+                if exchange_paths(self.staging, self.dst):
+                    shutil.rmtree(self.staging, ignore_errors=True)  # now the old artifact
+                else:
+                    trash = self.dst.parent / f".{self.dst.name}.old"
+                    shutil.rmtree(trash, ignore_errors=True)
+                    os.replace(self.dst, trash)
+                    os.replace(self.staging, self.dst)
+                    shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.replace(self.staging, self.dst)
         except OSError as exc:

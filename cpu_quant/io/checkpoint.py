@@ -12,7 +12,9 @@ NaN/Inf are checked per tensor as it is read (``Checkpoint.tensor(..., check_fin
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,10 @@ from ..errors import CpuQuantError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HEADER_LIMIT = 100 * 1024 * 1024
+SAMPLE_BYTES = 4096  # per sample of a tensor's data in content_digest
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64")
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -48,12 +54,53 @@ def read_safetensors_header(path: Path) -> dict:
             continue
         try:
             start, end = info["data_offsets"]
+            shape, dtype = list(info["shape"]), info["dtype"]
         except (KeyError, TypeError, ValueError):
-            raise CpuQuantError(f"{path.name}: tensor {name} has no valid data_offsets") from None
+            raise CpuQuantError(f"{path.name}: tensor {name} has no valid data_offsets, shape "
+                                "and dtype") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in (start, end, *shape)):
+            raise CpuQuantError(f"{path.name}: tensor {name} has a malformed shape or offsets")
         if not (0 <= start <= end <= data_len):
             raise CpuQuantError(f"{path.name}: tensor {name} claims bytes {start}..{end}, "
                                 f"the file holds {data_len} (truncated?)")
+        if dtype not in DTYPE_BYTES:
+            raise CpuQuantError(f"{path.name}: tensor {name} has an unknown dtype {dtype!r}")
+        expected = math.prod(shape) * DTYPE_BYTES[dtype]
+        if end - start != expected:
+            raise CpuQuantError(f"{path.name}: tensor {name} ({dtype} {shape}) needs {expected} "
+                                f"bytes, its offsets give {end - start} (corrupted header)")
     return header
+
+
+def model_context(config: dict) -> int | None:
+    """``max_position_embeddings`` of a config (or of its ``text_config``), when it is stated."""
+    for cfg in (config, config.get("text_config")):
+        value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(root: str | Path):
+    """The checkpoint's tokenizer, or a one-line error. A tokenizer that names repository code
+    (``auto_map``) is refused: cpu-quant never runs it."""
+    from transformers import AutoTokenizer
+
+    cfg = Path(root) / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            raise CpuQuantError(f"{cfg}: not valid JSON; the tokenizer cannot be loaded") from None
+        if isinstance(data, dict) and data.get("auto_map"):
+            raise CpuQuantError(f"{cfg} names repository code (auto_map); cpu-quant never runs "
+                                "it: give the checkpoint a standard tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(root, trust_remote_code=False)
+    except Exception as exc:  # transformers and tokenizers raise many types for a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CpuQuantError(f"cannot load the tokenizer of {root}: {first}") from None
 
 
 def _inside(base: Path, path: Path) -> bool:
@@ -105,6 +152,28 @@ class Checkpoint:
     def close(self) -> None:
         self._handles.clear()
 
+    def content_digest(self) -> str:
+        """SHA-256 over every safetensors file's name, size and header, and over sampled
+        bytes of every tensor: ``SAMPLE_BYTES`` at the start, the middle and the end of its
+        data. Hashing whole shards would read the model once more on every start and every
+        resume (16 GB for an 8B model: minutes on a disk); the samples are three small reads
+        per tensor (about 3.5 MB for an 8B model). Any retrained, fine-tuned or re-initialised
+        model changes the bytes everywhere, so the samples tell it apart; a change confined
+        to bytes outside the samples (one hand-edited weight) is not seen."""
+        h = hashlib.sha256()
+        for f in sorted(self.headers, key=lambda p: p.name):
+            header = self.headers[f]
+            h.update(json.dumps([f.name, f.stat().st_size, header], sort_keys=True).encode())
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                base = 8 + n
+                for name in sorted(k for k in header if k != "__metadata__"):
+                    start, end = header[name]["data_offsets"]
+                    for off in sorted({start, (start + end) // 2, max(start, end - SAMPLE_BYTES)}):
+                        fh.seek(base + off)
+                        h.update(fh.read(min(SAMPLE_BYTES, end - off)))
+        return h.hexdigest()
+
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     root = Path(path)
@@ -139,8 +208,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise CpuQuantError(f"{index.name}: no valid weight_map") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                       for v in weight_map.values()):
+            raise CpuQuantError(f"{index.name}: weight_map must map tensor names to file names")
         for name, fname in weight_map.items():
             f = root / fname
             if not _inside(root, f) or f not in headers:

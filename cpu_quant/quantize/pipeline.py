@@ -29,8 +29,8 @@ from torch import nn
 from ..errors import CpuQuantError, Interrupted
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
-from ..io.artifact import StagedOutput
-from ..io.checkpoint import open_checkpoint
+from ..io.artifact import StagedOutput, check_destination
+from ..io.checkpoint import INTEGER_DTYPES, load_tokenizer, model_context, open_checkpoint
 from ..memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
@@ -44,11 +44,11 @@ from .hessians import HessianAccumulator, gram
 from .plan import HEAD_NAME, LinearPlan, check_group, dynamic_overrides, plan_linear
 from .provenance import provenance
 from .resume import (
-    HIDDEN_FILE,
     STATE_FILE,
     ResumePoint,
     RunState,
     load_state,
+    remove_hidden_files,
     restore_hidden,
     run_fingerprint,
     write_resume_point,
@@ -63,15 +63,28 @@ CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offload
 
 
 def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor]:
-    from transformers import AutoTokenizer
-
     from ..data.corpus import load_texts, token_windows
 
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = load_tokenizer(src)
     windows = token_windows(tok, load_texts(settings.calib, "calibration"), settings.samples,
                             settings.seqlen)
     ids = torch.tensor(windows, dtype=torch.long)
     return list(torch.split(ids, settings.batch_size))
+
+
+def check_source(ckpt, settings: QuantSettings) -> None:
+    """Refuse, before any work, a source the run cannot quantize faithfully: integer weights
+    (an already-quantized or foreign checkpoint would be cast to float without a word) and a
+    calibration window longer than the model's context."""
+    ints = [n for n in ckpt.names if n.endswith(".weight") and ckpt.dtype(n) in INTEGER_DTYPES]
+    if ints:
+        raise CpuQuantError(f"tensor {ints[0]} is {ckpt.dtype(ints[0])} ({len(ints)} integer "
+                            "weights): cpu-quant quantizes floating-point checkpoints (bf16, "
+                            "fp16, fp32), not already-quantized ones")
+    context = model_context(ckpt.config)
+    if not settings.data_free and context is not None and settings.seqlen > context:
+        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
+                            f"{context} tokens (max_position_embeddings)")
 
 
 def check_formats(formats: list[Format], settings: QuantSettings) -> Limits:
@@ -187,7 +200,8 @@ class LayerQuantizer:
         head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
         vocab, hidden_size = head_w.shape
         head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
-                                settings.strict_group, self.limits, quantize=settings.quantize_head)
+                                settings.strict_group, self.limits, quantize=settings.quantize_head,
+                                flag="--head-group" if settings.head_group else "--group")
         if head_plan.quantize:
             hess = None
             if hidden:
@@ -226,8 +240,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     limits = check_formats(formats, settings)
     layout = ",".join(f.name for f in formats)
     src = Path(src)
-    if Path(dst).exists() and not overwrite:  # fail before any work, not after it
-        raise CpuQuantError(f"output {dst} already exists (use --overwrite to replace it)")
+    check_destination(dst, [src], overwrite)  # fail before any work, not after it
     t_start = time.perf_counter()
     # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
     threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
@@ -238,6 +251,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         if why:
             ckpt.close()
             raise CpuQuantError(f"--format {fmt.name}: {why}")
+    check_source(ckpt, settings)
     stream = LayerStream(ckpt)
     report = QuantReport(settings=asdict(settings), layout=layout, provenance=provenance(src))
     report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
@@ -246,15 +260,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     report.calibration_tokens = sum(b.numel() for b in batches)
     fingerprint = run_fingerprint(ckpt, settings, layout, batches)
 
-    with StagedOutput(dst, overwrite=overwrite, resume=resume) as out, StopRequest() as stop, \
-            ResumePoint() as resume_point:
+    staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src])
+    with staged as out, StopRequest() as stop, ResumePoint() as resume_point:
         state = load_state(out, fingerprint) if resume else RunState(fingerprint)
         offload = settings.offload_activations
         if not batches:
             hidden = []
         elif state.completed_layers:  # resumed: record the layers' call arguments only
             stream.capture(batches, into=Discard())
-            hidden = restore_hidden(out, state.completed_layers, len(batches), offload)
+            hidden = restore_hidden(out, state.completed_layers, len(batches), offload,
+                                    fingerprint)
         else:
             hidden = stream.capture(batches, into=DiskActivations(out.path(ACTIVATIONS_DIR), 0)
                                     if offload else [])
@@ -322,8 +337,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         report.true_sequential_layers = state.true_sequential_layers
         report.phase_seconds = state.phase_seconds
         resume_point.wait()
-        for name in (STATE_FILE, HIDDEN_FILE):
-            out.path(name).unlink(missing_ok=True)
+        out.path(STATE_FILE).unlink(missing_ok=True)
+        remove_hidden_files(out)
         shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
         sinks.finish(ArtifactInfo(src, ckpt.config, settings.group_size, head_plan.quantize,
                                   dynamic, settings.symmetric,

@@ -44,12 +44,12 @@ class LinearPlan:
         return self.in_features if self.group_size == -1 else self.group_size
 
 
-def choose_group(name: str, in_features: int, requested: int, strict: bool, limits: Limits
-                 ) -> tuple[int, str]:
+def choose_group(name: str, in_features: int, requested: int, strict: bool, limits: Limits,
+                 flag: str = "--group") -> tuple[int, str]:
     if requested == -1 or in_features % requested == 0:
         return requested, ""
     if strict:
-        raise CpuQuantError(f"--strict-group: group {requested} does not divide the in-features "
+        raise CpuQuantError(f"--strict-group: {flag} {requested} does not divide the in-features "
                             f"{in_features} of {name}")
     for g in limits.groups:
         if g < requested and in_features % g == 0:
@@ -72,14 +72,15 @@ def check_group(flag: str, group: int, limits: Limits) -> None:
 
 
 def plan_linear(name: str, in_features: int, out_features: int, group_size: int,
-                strict_group: bool, limits: Limits, quantize: bool = True) -> LinearPlan:
+                strict_group: bool, limits: Limits, quantize: bool = True,
+                flag: str = "--group") -> LinearPlan:
     if not quantize:
         return LinearPlan(name, in_features, out_features, False, group_size, "kept bf16 by request")
     if in_features % limits.k_multiple or out_features % limits.n_multiple:
         return LinearPlan(name, in_features, out_features, False, group_size,
                           f"dims {out_features}x{in_features} are not multiples of "
                           f"{limits.n_multiple}x{limits.k_multiple}")
-    g, reason = choose_group(name, in_features, group_size, strict_group, limits)
+    g, reason = choose_group(name, in_features, group_size, strict_group, limits, flag)
     return LinearPlan(name, in_features, out_features, True, g, reason)
 
 

@@ -1,23 +1,27 @@
 """The resume point: what a run has finished, saved after every layer for ``--resume``.
 
 After each layer the staging directory holds the layer's output in every format sink, the
-activations entering the next layer (``cpu_quant_hidden.safetensors``, or with
+activations entering the next layer (``cpu_quant_hidden-<completed_layers>.safetensors``, its
+``__metadata__`` stamped with that layer and the run's fingerprint, or with
 ``offload_activations`` the generation ``activations/gen-<completed_layers>``) and then
-``cpu_quant_state.json`` (:class:`RunState`), which names them. A crash at any point leaves
-whole layers. :func:`run_fingerprint` ties a resume to the same source, settings, formats and
-calibration tokens.
+``cpu_quant_state.json`` (:class:`RunState`), which names them; the previous layer's
+activations are deleted only after the state. A crash at any point leaves whole layers, and a
+resume checks that the activations are those of the state's layer and run.
+:func:`run_fingerprint` ties a resume to the same source (down to sampled tensor bytes),
+settings, formats and calibration tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import CpuQuantError
@@ -29,7 +33,10 @@ from .settings import QuantSettings
 from .streaming import compute_dtype
 
 STATE_FILE = "cpu_quant_state.json"
-HIDDEN_FILE = "cpu_quant_hidden.safetensors"
+HIDDEN_PREFIX = "cpu_quant_hidden-"  # + the layer the activations enter, see hidden_file
+FINGERPRINT_PARTS = {"source": "the source model's files or tensor contents",
+                     "settings": "the settings, formats or compute dtype",
+                     "calibration": "the calibration tokens"}
 
 
 class ResumePoint:
@@ -74,11 +81,29 @@ class ResumePoint:
             self._thread.join()
 
 
+def hidden_file(completed_layers: int) -> str:
+    """The in-memory run's saved activations entering layer ``completed_layers``."""
+    return f"{HIDDEN_PREFIX}{completed_layers:05d}.safetensors"
+
+
 def write_resume_point(out: StagedOutput, hidden: dict[int, torch.Tensor], state: dict) -> None:
-    tmp = out.path(HIDDEN_FILE + ".tmp")
-    write_safetensors(tmp, {f"batch.{b}": h for b, h in hidden.items()})
-    os.replace(tmp, out.path(HIDDEN_FILE))
+    """The activations, stamped with their layer and the run's fingerprint, then the state
+    that names them, then the previous activations: a kill at any point leaves a state whose
+    activations are on disk (a layer never applied twice)."""
+    layer = state["completed_layers"]
+    name = hidden_file(layer)
+    write_safetensors(out.path(name), {f"batch.{b}": h for b, h in hidden.items()},
+                      metadata={"format": "pt", "completed_layers": str(layer),
+                                "fingerprint": fingerprint_digest(state["fingerprint"])})
     out.write_json(STATE_FILE, state)
+    for old in out.staging.glob(f"{HIDDEN_PREFIX}*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+
+
+def remove_hidden_files(out: StagedOutput) -> None:
+    for f in out.staging.glob(f"{HIDDEN_PREFIX}*"):
+        f.unlink(missing_ok=True)
 
 
 @dataclass
@@ -86,13 +111,13 @@ class RunState:
     """What a run has finished, persisted after every layer so that ``--resume`` can continue.
 
     Saved in the staging directory as ``cpu_quant_state.json`` (plus the propagated calibration
-    activations in ``cpu_quant_hidden.safetensors``, or with ``offload_activations`` the
+    activations in ``hidden_file(completed_layers)``, or with ``offload_activations`` the
     generation ``activations/gen-<completed_layers>`` of ``activations.DiskActivations``), both
     written atomically after the layer's shard, so a crash at any point leaves a consistent
     state of whole layers.
     """
 
-    fingerprint: str
+    fingerprint: dict[str, str]  # run_fingerprint: one digest per FINGERPRINT_PARTS key
     completed_layers: int = 0
     tensors: list[dict] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)
@@ -111,33 +136,63 @@ class RunState:
         self.bits_disk += stored_bytes * 8
 
 
-def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: list[torch.Tensor]) -> str:
-    """Source files (name, size, header), settings, layout and calibration tokens, hashed."""
-    h = hashlib.sha256()
+def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: list[torch.Tensor]
+                    ) -> dict[str, str]:
+    """One SHA-256 per part a resume must share with the interrupted run: the source (its
+    files' names, sizes, headers and sampled tensor bytes: ``Checkpoint.content_digest``, and
+    its config), the settings (with the layout and the compute dtype, which changes the
+    propagated activations) and the calibration token ids. Where the activations live is not
+    part of it: it does not change the result."""
     fields = asdict(settings)
-    fields.pop("offload_activations")  # where activations live does not change the result
-    # the layers' compute dtype changes the propagated activations, so a resume must keep it
-    h.update(json.dumps({"settings": fields, "layout": layout_name, "config": ckpt.config,
-                         "compute_dtype": str(compute_dtype())}, sort_keys=True).encode())
-    for f in sorted(set(ckpt.files.values())):
-        h.update(f.name.encode() + str(f.stat().st_size).encode())
-        h.update(json.dumps(ckpt.headers[f], sort_keys=True).encode())
+    fields.pop("offload_activations")
+    settings_doc = json.dumps({"settings": fields, "layout": layout_name,
+                               "compute_dtype": str(compute_dtype())}, sort_keys=True)
+    source = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode())
+    source.update(ckpt.content_digest().encode())
+    calibration = hashlib.sha256()
     for b in batches:
-        h.update(b.numpy().tobytes())
-    return h.hexdigest()
+        calibration.update(str(tuple(b.shape)).encode())
+        calibration.update(b.numpy().tobytes())
+    return {"source": source.hexdigest(),
+            "settings": hashlib.sha256(settings_doc.encode()).hexdigest(),
+            "calibration": calibration.hexdigest()}
 
 
-def restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool):
+def fingerprint_digest(fingerprint: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def _saved_hidden(out: StagedOutput, completed: int, fingerprint: dict[str, str]) -> Path:
+    """The in-memory run's activations entering layer ``completed``, checked against the state
+    (their layer) and the run (their fingerprint)."""
+    path = out.path(hidden_file(completed))
+    if not path.is_file():
+        raise CpuQuantError(f"{out.staging} lacks the calibration activations of layer {completed}; "
+                            "run without --resume to start over")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except Exception:  # safetensors raises its own error types for a torn or foreign file
+        raise CpuQuantError(f"{path} is corrupted; run without --resume to start over") from None
+    if meta.get("completed_layers") != str(completed):
+        raise CpuQuantError(f"cannot resume: {path.name} holds the activations of layer "
+                            f"{meta.get('completed_layers')}, the state says {completed}; run "
+                            "without --resume to start over")
+    if meta.get("fingerprint") != fingerprint_digest(fingerprint):
+        raise CpuQuantError(f"cannot resume: {path.name} was written by another run; run without "
+                            "--resume to start over")
+    return path
+
+
+def restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool,
+                   fingerprint: dict[str, str]):
     """The activations entering layer ``completed``, as the interrupted run saved them (in
     memory or offloaded), in the form this run asked for."""
     gen_dir = out.path(ACTIVATIONS_DIR)
     if (gen_dir / f"gen-{completed:05d}").is_dir():
         store = DiskActivations.open(gen_dir, completed, n_batches)
         return store if offload else list(store)
-    path = out.path(HIDDEN_FILE)
-    if not path.is_file():
-        raise CpuQuantError(f"{out.staging} lacks the calibration activations of layer {completed}; "
-                            "run without --resume to start over")
+    path = _saved_hidden(out, completed, fingerprint)
     saved = load_file(path)
     hidden = [saved[f"batch.{b}"] for b in range(n_batches)]
     if not offload:
@@ -158,8 +213,9 @@ def load_state(out: StagedOutput, fingerprint: str) -> RunState:
         state = RunState(**data)
     except (json.JSONDecodeError, TypeError):
         raise CpuQuantError(f"{path} is corrupted; run without --resume to start over") from None
-    if state.fingerprint != fingerprint:
-        raise CpuQuantError("cannot resume: the source files, settings or calibration data differ "
-                            f"from those of the interrupted run in {out.staging}; run without "
-                            "--resume to start over")
+    saved = state.fingerprint if isinstance(state.fingerprint, dict) else {}
+    differ = [what for part, what in FINGERPRINT_PARTS.items() if saved.get(part) != fingerprint[part]]
+    if differ:
+        raise CpuQuantError(f"cannot resume: {' and '.join(differ)} differ from those of the "
+                            f"interrupted run in {out.staging}; run without --resume to start over")
     return state

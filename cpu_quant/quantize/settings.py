@@ -34,6 +34,10 @@ class QuantSettings:
             raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
         if not 0 < self.damp <= 1:
             raise CpuQuantError("--damp must be in (0, 1]")
+        for flag, value, least in (("--samples", self.samples, 1), ("--seqlen", self.seqlen, 2),
+                                   ("--batch-size", self.batch_size, 1)):
+            if value < least:
+                raise CpuQuantError(f"{flag} must be >= {least} (got {value})")
 
     @property
     def data_free(self) -> bool:

@@ -569,6 +569,10 @@ CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
 )
 # The checks that need no per-module parameters: all that can run on an unreadable config.
 CONFIG_FREE_CHECKS = (check_config, check_index, check_finite)
+# The artifact's consistency with itself (config, index, module tensors against the config's
+# groups, stored values, finiteness), not with the architecture: what convert must never break.
+SELF_CONSISTENCY_CHECKS = (check_config, check_index, check_modules, check_format_values,
+                           check_finite)
 OVERRIDE_TYPES = {"bits": int, "group_size": int, "sym": bool, "desc_act": bool}
 
 
@@ -597,13 +601,12 @@ def config_unusable(qcfg: dict) -> str | None:
     return None
 
 
-def run_checks(ctx: Context) -> None:
+def run_checks(ctx: Context, checks: tuple = CHECKS) -> None:
     """Run every applicable check; a check that cannot finish is itself an error finding."""
     why = config_unusable(ctx.qcfg)
-    checks = CHECKS
     if why is not None:
         ctx.report.findings.append(_err("config", None, f"{why}: per-module checks skipped"))
-        checks = CONFIG_FREE_CHECKS
+        checks = tuple(c for c in checks if c in CONFIG_FREE_CHECKS)
     for check in checks:
         try:
             ctx.report.findings.extend(check(ctx))
@@ -634,8 +637,8 @@ def _unreadable(root: Path, exc: CpuQuantError) -> VerifyReport | None:
     return report
 
 
-def verify_checkpoint(path: str | Path) -> VerifyReport:
-    """Run every check on the checkpoint at ``path``.
+def verify_checkpoint(path: str | Path, checks: tuple = CHECKS) -> VerifyReport:
+    """Run ``checks`` (default: every check) on the checkpoint at ``path``.
 
     Raises CpuQuantError only when ``path`` is not a quantized checkpoint at all (missing
     directory or config, no quantization_config, an unknown quant_method); a broken artifact
@@ -665,13 +668,13 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
             known = ", ".join(m for s in safetensors_formats() for m in s.quant_methods)
             raise CpuQuantError(f"quant_method {method!r} is not one verify knows ({known})")
         report = VerifyReport(str(root), spec.name)
-        arch, why = _architecture(ckpt.config)
-        if arch is None:
+        arch, why = _architecture(ckpt.config) if check_architecture in checks else (None, None)
+        if arch is None and why is not None:
             report.findings.append(_info("stray", None, f"transformers could not build the "
                                          f"architecture ({why}); leftover check by suffix only"))
         modules = quant_modules(ckpt.names, spec)
         report.quantized_modules = len(modules)
-        run_checks(Context(ckpt, qcfg, spec, modules, arch, report))
+        run_checks(Context(ckpt, qcfg, spec, modules, arch, report), checks)
         return report
     finally:
         ckpt.close()

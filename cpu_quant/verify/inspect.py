@@ -24,11 +24,13 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import CpuQuantError
 from ..formats import format_owning
 from ..io.checkpoint import open_checkpoint
 from ..quantize.plan import HEAD_NAME
 from .checks import (
     DTYPE_BYTES,
+    config_unusable,
     format_for,
     load_quantization_config,
     module_params,
@@ -124,7 +126,9 @@ def _report_headline(root: Path) -> dict | None:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {"error": "quantization_report.json is not valid JSON"}
-    settings = data.get("settings") or {}
+    if not isinstance(data, dict):
+        return {"error": "quantization_report.json is not a JSON object"}
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
     head: dict = {
         "layout": data.get("layout"),
         "method": settings.get("method"),
@@ -133,13 +137,14 @@ def _report_headline(root: Path) -> dict | None:
         "bits_per_weight": data.get("bits_per_weight"),
         "total_seconds": data.get("total_seconds"),
     }
-    snrs = [t.get("weighted_snr_db") for t in data.get("tensors") or [] if isinstance(t, dict)]
-    snrs = [s for s in snrs if isinstance(s, (int, float))]
+    tensors = data.get("tensors") if isinstance(data.get("tensors"), list) else []
+    snrs = [t.get("weighted_snr_db") for t in tensors if isinstance(t, dict)]
+    snrs = [s for s in snrs if isinstance(s, int | float) and not isinstance(s, bool)]
     if snrs:
         head["worst_weighted_snr_db"] = min(snrs)
     if data.get("fidelity"):
         head["fidelity"] = data["fidelity"]
-    if data.get("plan_notes"):
+    if isinstance(data.get("plan_notes"), list) and data["plan_notes"]:
         head["plan_notes"] = len(data["plan_notes"])
     return {k: v for k, v in head.items() if v is not None}
 
@@ -173,6 +178,9 @@ def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
         qcfg = load_quantization_config(root, ckpt.config) or {}
         spec = format_for(str(qcfg.get("quant_method", "")))
         method = str(qcfg.get("quant_method") or "unquantized")
+        why = config_unusable(qcfg) if spec else None
+        if why:
+            raise CpuQuantError(f"{root}: {why}; `cpu-quant verify` lists what is wrong")
         modules = quant_modules(ckpt.names, spec) if spec else {}
         suffixes = spec.suffixes if spec else ()
         notes: list[str] = []
@@ -233,7 +241,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
             path=str(root),
             format=spec.name if spec else method,
             checkpoint_format=spec.checkpoint_format(qcfg) if spec else None,
-            bits=int(qcfg["bits"]) if spec and "bits" in qcfg else None,
+            bits=qcfg["bits"] if spec and "bits" in qcfg else None,
             group_size=qcfg.get("group_size") if spec else None,
             sym=qcfg.get("sym") if spec else None,
             dynamic_rules=len(qcfg.get("dynamic") or {}) if spec else 0,
