@@ -30,6 +30,9 @@ import pytest
 from benchmarks import provenance
 from benchmarks.peers import gptqmodel_env
 
+# real benchmark runs in smoke mode: the end-to-end tier
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 
 

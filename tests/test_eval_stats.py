@@ -58,6 +58,7 @@ def _rtn_copy(model):
     return model
 
 
+@pytest.mark.e2e
 def test_saved_reference_gives_the_fresh_kl_on_the_demo_model(demo_src, tmp_path):
     """Acceptance: KL from a --save-reference file equals a fresh reference run's to 1e-4
     (it is the same full-vocabulary KL, so the difference is float rounding)."""
