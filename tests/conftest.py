@@ -156,5 +156,16 @@ def tiny_llama(demo_src: Path, tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", demo_src)
 
 
+def put_nan(checkpoint: Path, tensor: str, index: tuple[int, int]) -> None:
+    """Write one NaN into ``tensor`` of a one-file checkpoint (``model.safetensors``)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    w = tensors[tensor].clone()
+    w[index] = float("nan")
+    tensors[tensor] = w
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())

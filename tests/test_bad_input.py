@@ -7,9 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
-from .conftest import run_cli
+from .conftest import put_nan, run_cli
 
 
 def _assert_clean_failure(proc, dst: Path, needle: str) -> None:
@@ -55,11 +54,7 @@ def test_pickle_checkpoint_is_refused(tmp_path, tiny_llama):
 
 def test_nan_weights(tmp_path, tiny_llama):
     src = _copy_model(tiny_llama, tmp_path / "src")
-    tensors = load_file(src / "model.safetensors")
-    w = tensors["model.layers.1.mlp.up_proj.weight"].clone()
-    w[3, 5] = float("nan")
-    tensors["model.layers.1.mlp.up_proj.weight"] = w
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    put_nan(src, "model.layers.1.mlp.up_proj.weight", (3, 5))
     dst = tmp_path / "out"
     proc = run_cli("gptq", str(src), str(dst), "--samples", "2", "--seqlen", "32", "--no-eval",
                    check=False)

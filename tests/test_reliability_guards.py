@@ -328,11 +328,9 @@ def test_integer_weights_are_refused(src, tmp_path):
 
 
 def test_eval_refuses_a_model_with_nan_weights(src, tiny_llama, tmp_path):
-    tensors = load_file(src / "model.safetensors")
-    w = tensors["model.layers.0.mlp.up_proj.weight"].clone()
-    w[0, 0] = float("nan")
-    tensors["model.layers.0.mlp.up_proj.weight"] = w
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    from .conftest import put_nan
+
+    put_nan(src, "model.layers.0.mlp.up_proj.weight", (0, 0))
     out = tmp_path / "r.json"
     refused(["eval", str(src), "--reference", str(tiny_llama), "--windows", "1", "--prompts", "1",
              "--seqlen", "32", "--new-tokens", "2", "--output-json", str(out)], "NaN or Inf logits",

@@ -309,6 +309,20 @@ def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path
     return dst
 
 
+def _one_zero_of_7(ckpt: Path, sym: bool) -> Path:
+    """The synthetic checkpoint with one stored zero of 6 (a real zero of 7, v1) and the config's
+    ``sym`` set as given."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.qzeros"][0, 0] = 0x77777776
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["sym"] = sym
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    return ckpt
+
+
 def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, tmp_path: Path):
     """A checkpoint whose zero points the target cannot hold, or whose shapes the kernel cannot
     take: one ``error:`` line, non-zero exit, nothing written."""
@@ -317,18 +331,10 @@ def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, t
     config = json.loads((demo_src / "config.json").read_text())
     config["quantization_config"] = gptq_quantization_config(128, False, {})
     # (a) an asymmetric GPTQ checkpoint (sym false, a real zero of 7) to GPTQ's symmetric layout
-    asym = _synthetic_gptq(tmp_path / "asym", config, 64, 128, 128)
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(asym / "model.safetensors"))
-    tensors["model.layers.0.mlp.down_proj.qzeros"][0, 0] = 0x77777776
-    save_file(tensors, str(asym / "model.safetensors"))
-    asym_cfg = json.loads((asym / "config.json").read_text())
-    asym_cfg["quantization_config"]["sym"] = False
-    (asym / "config.json").write_text(json.dumps(asym_cfg))
+    asym = _one_zero_of_7(_synthetic_gptq(tmp_path / "asym", config, 64, 128, 128), sym=False)
     # (b) the config says symmetric but one stored zero is 6 (a real zero of 7)
-    zeros_asym = _synthetic_gptq(tmp_path / "zeros_asym", config, 64, 128, 128)
-    save_file(tensors, str(zeros_asym / "model.safetensors"))
+    zeros_asym = _one_zero_of_7(_synthetic_gptq(tmp_path / "zeros_asym", config, 64, 128, 128),
+                                sym=True)
     # (c) 40 out-features: the kernel's 16-row output blocks cannot tile it
     rows_40 = _synthetic_gptq(tmp_path / "rows_40", config, 40, 128, 128)
     # (d) one group per row (K = 576): not a group the kernel takes
@@ -352,21 +358,13 @@ def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, t
 def test_convert_round_trips_and_keeps_an_asymmetric_grid(demo_src: Path, tmp_path: Path):
     """Any format to any other and back, bit for bit; an asymmetric GPTQ checkpoint keeps its
     zeros in cpu_int4, where (8 - z) * s is exact."""
-    from safetensors.torch import load_file, save_file
-
     from cpu_quant.formats import get_format
     from cpu_quant.formats.gptq import gptq_quantization_config
     from cpu_quant.io.checkpoint import open_checkpoint
 
     config = json.loads((demo_src / "config.json").read_text())
     config["quantization_config"] = gptq_quantization_config(128, False, {})
-    src = _synthetic_gptq(tmp_path / "src", config, 64, 256, 128)
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors["model.layers.0.mlp.down_proj.qzeros"][0, 0] = 0x77777776
-    save_file(tensors, str(src / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"]["sym"] = False
-    (src / "config.json").write_text(json.dumps(cfg))
+    src = _one_zero_of_7(_synthetic_gptq(tmp_path / "src", config, 64, 256, 128), sym=False)
     run_cli("convert", str(src), str(tmp_path / "int4"), "--to", "cpu_int4")
     run_cli("convert", str(tmp_path / "int4"), str(tmp_path / "int4-again"), "--to", "cpu_int4")
     gptq, int4 = get_format("gptq"), get_format("cpu_int4")
