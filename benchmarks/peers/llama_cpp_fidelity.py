@@ -3,13 +3,14 @@
 Run by the llama-cpp-python peer venv's interpreter (numpy and llama_cpp only):
 
     python llama_cpp_fidelity.py save    MODEL.gguf WINDOWS.json LOGITS.npy
-    python llama_cpp_fidelity.py compare MODEL.gguf WINDOWS.json REF_LOGITS.npy OUT.json
+    python llama_cpp_fidelity.py compare MODEL.gguf WINDOWS.json REF_LOGITS.npy OUT.json [S N]
 
 ``WINDOWS.json`` is a list of equal-length token-id lists (tokenized by the Hugging Face
 tokenizer, so every arm sees the same ids). Each window is evaluated from an empty KV cache in
 one batch with ``logits_all=True``: position ``t`` gives the distribution of token ``t + 1``.
 ``save`` writes the float32 logits ``[windows, tokens, vocab]`` (the reference); ``compare``
-scores MODEL against such a file:
+scores MODEL against such a file, on every window or, given ``S N``, on the windows ``i`` with
+``i % N == S`` (one slice of the text per pass):
 
 ``kl_mean``         mean over all positions of KL(ref || model), nats
 ``kl_se``           its standard error over positions (std / sqrt(n)); ``kl_se_windows`` the
@@ -69,7 +70,8 @@ def save(model: str, windows: list[list[int]], out: Path) -> dict:
     return info
 
 
-def compare(model: str, windows: list[list[int]], ref_path: Path) -> dict:
+def compare(model: str, windows: list[list[int]], ref_path: Path, part: int = 0,
+            parts: int = 1) -> dict:
     ref = np.load(ref_path, mmap_mode="r")
     llm, info = _open(model, len(windows[0]))
     if ref.shape[:2] != (len(windows), len(windows[0])) or ref.shape[2] != llm.n_vocab():
@@ -77,7 +79,9 @@ def compare(model: str, windows: list[list[int]], ref_path: Path) -> dict:
                          f"{len(windows[0])} tokens x vocab {llm.n_vocab()}")
     kls, top1, nll_ref, nll_arm, per_window = [], 0, 0.0, 0.0, []
     n_next = 0
-    for i, w in enumerate(windows):
+    chosen = [i for i in range(len(windows)) if i % parts == part]
+    for i in chosen:
+        w = windows[i]
         lp_arm = _log_softmax(window_logits(llm, w))
         lp_ref = _log_softmax(np.asarray(ref[i]))
         kl = (np.exp(lp_ref) * (lp_ref - lp_arm)).sum(axis=-1)
@@ -98,7 +102,7 @@ def compare(model: str, windows: list[list[int]], ref_path: Path) -> dict:
             "kl_median": float(np.median(kl_all)), "kl_p99": float(np.quantile(kl_all, 0.99)),
             "kl_max": float(kl_all.max()), "kl_per_window": per_window,
             "top1_agreement": top1 / n, "ppl_reference": ppl_ref, "ppl_model": ppl_arm,
-            "ppl_delta": ppl_arm - ppl_ref, "positions": n, "windows": len(windows),
+            "ppl_delta": ppl_arm - ppl_ref, "positions": n, "windows": chosen,
             "seqlen": len(windows[0])}
 
 
@@ -111,7 +115,8 @@ def main(argv: list[str]) -> int:
         result = save(model, windows, Path(argv[3]))
         out = Path(argv[3]).with_suffix(".json")
     elif mode == "compare":
-        result = compare(model, windows, Path(argv[3]))
+        part, parts = (int(argv[5]), int(argv[6])) if len(argv) > 5 else (0, 1)
+        result = compare(model, windows, Path(argv[3]), part, parts)
         out = Path(argv[4])
     else:
         raise SystemExit(f"unknown mode {mode!r}: save or compare")

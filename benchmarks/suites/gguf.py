@@ -21,13 +21,13 @@ Fidelity arms (baseline ``llama.cpp-q4_0-imatrix``, so ``kl_mean``'s ratio is ou
 
 =================================  ===========================================================
 ``cpu-quant-q4_0-g32``             ``cpu-quant gptq --group 32 --format gguf --no-lm-head``
-                                   (128 x 512 calibration; token_embd Q8_0, the tied head)
+                                   (``CALIB``; token_embd Q8_0, the tied head)
 ``cpu-quant-q4_0-g32-embd-f16``    the same file with token_embd F16 (from the bf16 source)
-``cpu-quant-q4_0-g32-embd-bf16``   the same file with token_embd BF16 (the source's own)
 ``llama.cpp-q4_0``                 ``llama-quantize bf16.gguf Q4_0`` (no imatrix)
 ``llama.cpp-q4_0-imatrix``         ``llama-quantize --imatrix`` Q4_0
 ``llama.cpp-iq4_nl-imatrix``       ``llama-quantize --imatrix`` IQ4_NL
-``llama.cpp-q4_k_m``               ``llama-quantize`` Q4_K_M, with and without (``-imatrix``)
+``llama.cpp-q4_k_m``               ``llama-quantize`` Q4_K_M (no imatrix; with one: not measured
+                                   yet, for time on the shared machine)
 ``llama.cpp-bf16``                 the converter's bf16 GGUF, scored against torch bf16
 =================================  ===========================================================
 
@@ -55,6 +55,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..harness import (
@@ -73,21 +74,25 @@ from . import quantize as q
 REPO = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parents[1] / "peers"
 FIDELITY_SCRIPT = PEERS / "llama_cpp_fidelity.py"
-CALIB = {"samples": 128, "seqlen": 512, "group": 32, "batch_size": 8, "calib": "austen"}
+# reduced from cpu-quant's default 128 x 512: on the shared machine (load ~20 on 2 cores) GPTQ
+# ran at 220 s per layer, 1 h 50 for the model
+CALIB = {"samples": 16, "seqlen": 256, "group": 32, "batch_size": 8, "calib": "austen"}
 CALIB_SMOKE = {"samples": 4, "seqlen": 64, "group": 32, "batch_size": 4, "calib": "austen"}
-EVAL = {"windows": 16, "seqlen": 512}
-EVAL_SMOKE = {"windows": 2, "seqlen": 64}
-FORMATS_CALIB = {"samples": 16, "seqlen": 512, "group": 32, "batch_size": 8, "calib": "austen"}
-DECODE = {"decode_tokens": 64, "prompt_len": 512}
+EVAL = {"windows": 24, "seqlen": 256}
+EVAL_SMOKE = {"windows": 3, "seqlen": 64}
+SLICES = 3  # pass p scores the windows i with i % SLICES == p % SLICES
+FORMATS_CALIB = {"samples": 4, "seqlen": 256, "group": 32, "batch_size": 4, "calib": "austen"}
+DECODE = {"decode_tokens": 64, "prompt_len": 256}
 DECODE_SMOKE = {"decode_tokens": 8, "prompt_len": 32}
 OURS = "cpu-quant-q4_0-g32"
 BASELINE = "llama.cpp-q4_0-imatrix"
 # llama-quantize type names -> (arm name, with imatrix)
 LLAMA_ARMS = (("Q4_0", "llama.cpp-q4_0", False), ("Q4_0", "llama.cpp-q4_0-imatrix", True),
-              ("IQ4_NL", "llama.cpp-iq4_nl-imatrix", True), ("Q4_K_M", "llama.cpp-q4_k_m", False),
-              ("Q4_K_M", "llama.cpp-q4_k_m-imatrix", True))
-EMBEDDING_VARIANTS = (("F16", f"{OURS}-embd-f16"), ("BF16", f"{OURS}-embd-bf16"))
+              ("IQ4_NL", "llama.cpp-iq4_nl-imatrix", True), ("Q4_K_M", "llama.cpp-q4_k_m", False))
+# BF16 is left out: this embedding is fp16-exact (docs/gguf.md), so BF16 would be F16's values
+EMBEDDING_VARIANTS = (("F16", f"{OURS}-embd-f16"),)
 PARTS = ("fidelity", "decode", "formats")
+NOTE_ENV = "CPU_QUANT_BENCH_NOTE"  # a sentence about the run's conditions, copied to its notes
 # llama-imatrix runs the model: weight repacking off on AMX (upstream llama.cpp #20824)
 NO_REPACK = ("--no-repack",)
 
@@ -151,6 +156,16 @@ def torch_reference_logits(src: Path, windows_path: Path, out: Path) -> Path:
     return out
 
 
+def _record_steps(inputs: Path, new: list[dict]) -> list[dict]:
+    """Every preparation step run in this work directory, also by earlier invocations (their
+    outputs are reused), kept in ``inputs/prep_steps.json``."""
+    path = inputs / "prep_steps.json"
+    steps = json.loads(path.read_text()) if path.is_file() else []
+    steps += new
+    path.write_text(json.dumps(steps, indent=1))
+    return steps
+
+
 def _run_step(label: str, argv: list[str], log_dir: Path, steps: list[dict],
               env: dict | None = None) -> None:
     """A preparation step shared by several arms; its argv, exit status and time are recorded."""
@@ -161,7 +176,9 @@ def _run_step(label: str, argv: list[str], log_dir: Path, steps: list[dict],
                               env={**os.environ, **(env or {})})
     steps.append({"step": label, "argv": argv, "exit_status": proc.returncode,
                   "wall_seconds": round(time.perf_counter() - t0, 1),
-                  "log": str(log_dir / f"{label}.log")})
+                  "log": str(log_dir / f"{label}.log"),
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    _record_steps(log_dir, steps[-1:])
     print(f"[gguf] {label}: exit {proc.returncode} in {steps[-1]['wall_seconds']} s",
           file=sys.stderr, flush=True)
     if proc.returncode:
@@ -257,8 +274,8 @@ def _fidelity_arm(name: str, settings: dict, model_of, ref: Path, windows: Path,
         env = llama_cpp_env.ready_env()
         assert env is not None
         return Command([str(env.python), str(FIDELITY_SCRIPT), "compare", str(model_of()),
-                        str(windows), str(ref), str(ctx.workdir / "fidelity.json")],
-                       timeout=timeout)
+                        str(windows), str(ref), str(ctx.workdir / "fidelity.json"),
+                        str(ctx.pass_index % SLICES), str(SLICES)], timeout=timeout)
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
         fid = json.loads((ctx.workdir / "fidelity.json").read_text())
@@ -295,22 +312,38 @@ def _check_ours(directory: Path, calib: dict, flags: list[str]) -> None:
     q.check_cpu_quant_report(report, calib, flags)
 
 
-def build(opts: q.SuiteOptions) -> list[Suite]:
-    smoke = opts.smoke
-    calib = dict(CALIB_SMOKE if smoke else CALIB)
-    ev = dict(EVAL_SMOKE if smoke else EVAL)
-    dec = dict(DECODE_SMOKE if smoke else DECODE)
-    fmt_calib = dict(CALIB_SMOKE if smoke else FORMATS_CALIB)
-    timeout = q.TIMEOUT_SMOKE if smoke else q.TIMEOUT_REAL
-    wanted = set(opts.arms or [])
-    prebuilt = {k: Path(v).resolve() for k, v in (opts.prebuilt or {}).items()}
-    if set(prebuilt) - {OURS}:
-        raise ValueError(f"--artifact: only {OURS} can be given prebuilt")
-    src = q.source_model(opts)
-    env = llama_cpp_env.install()
-    tools = llama_cpp_env.install_tools()
-    inputs = opts.workdir / "inputs"
-    inputs.mkdir(parents=True, exist_ok=True)
+@dataclass
+class _Context:
+    """What the parts share: options, source, settings, the llama.cpp peer and file paths."""
+
+    opts: q.SuiteOptions
+    src: Path
+    calib: dict
+    ev: dict
+    timeout: float
+    env: object  # llama_cpp_env's PeerEnv
+    ours_dir: Path
+    ours_prebuilt: bool
+    notes: list[str]
+
+    @property
+    def build_root(self) -> Path:
+        return self.opts.workdir / "build"
+
+    def llama_file(self, name: str) -> Path:
+        return self.build_root / name / f"{self.src.name}-{name}.gguf"
+
+    def ours_gguf(self) -> Path:
+        return _our_gguf(self.ours_dir)
+
+
+OURS_FLAGS = ["--format", "gguf", "--no-lm-head"]
+
+
+def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
+    src, calib, ev, timeout, env = c.src, c.calib, c.ev, c.timeout, c.env
+    tools = llama_cpp_env.install_tools() if tools_needed else None
+    inputs = c.opts.workdir / "inputs"
     steps: list[dict] = []
     shape = f"{ev['windows']}x{ev['seqlen']}"
     windows = write_heldout_windows(src, ev, inputs / f"heldout_windows-{shape}.json")
@@ -323,94 +356,91 @@ def build(opts: q.SuiteOptions) -> list[Suite]:
     if not ref.is_file():
         _run_step("reference-logits", [str(env.python), str(FIDELITY_SCRIPT), "save", str(bf16),
                                        str(windows), str(ref)], inputs, steps)
-    t0 = time.perf_counter()
-    torch_ref = torch_reference_logits(src, windows, inputs / f"reference-torch-bf16-{shape}.npy")
-    steps.append({"step": "torch-reference-logits", "wall_seconds":
-                  round(time.perf_counter() - t0, 1), "exit_status": 0})
+    torch_ref = inputs / f"reference-torch-bf16-{shape}.npy"
+    if not torch_ref.is_file():
+        t0 = time.perf_counter()
+        torch_reference_logits(src, windows, torch_ref)
+        _record_steps(inputs, [{"step": "torch-reference-logits", "exit_status": 0,
+                                "wall_seconds": round(time.perf_counter() - t0, 1)}])
+    if tools is None:  # preparing the inputs only
+        return None
     imatrix = inputs / f"imatrix-{cshape}.gguf"
     if not imatrix.is_file():
         _run_step("imatrix", [str(tools.path / "bin" / "llama-imatrix"), "-m", str(bf16),
                               "-f", str(calib_txt), "-o", str(imatrix),
-                              "-c", str(calib["seqlen"]), "--chunks", str(calib["samples"]),
-                              "-t", str(len(os.sched_getaffinity(0))), *NO_REPACK],
+                              "-c", str(calib["seqlen"]), "-b", str(calib["seqlen"]),
+                              "--chunks", str(calib["samples"]),
+                              "-t", str(len(os.sched_getaffinity(0))), "--no-ppl", *NO_REPACK],
                   inputs, steps)
 
-    fidelity_arms: list[Arm] = []
-    ours_flags = ["--format", "gguf", "--no-lm-head"]
-    if OURS in prebuilt:
-        ours_dir = prebuilt[OURS]
-        _check_ours(ours_dir, calib, ours_flags)  # before any other work
-        ours_build = None
-    else:
-        ours_dir = opts.workdir / "build" / OURS / "artifact"
+    def arm(name: str, settings: dict, model_of, reference: Path = ref, build=None,
+            verify=None) -> Arm:
+        return _fidelity_arm(name, settings, model_of, reference, windows, timeout, build,
+                             verify)
 
+    arms: list[Arm] = []
+    ours_build = None
+    if not c.ours_prebuilt:
         def ours_build(bdir: Path) -> Command:
-            return Command(q.cpu_quant_gptq_argv(src, bdir / "artifact", calib, ours_flags),
+            return Command(q.cpu_quant_gptq_argv(src, bdir / "artifact", calib, OURS_FLAGS),
                            timeout=timeout)
 
-    def ours_gguf() -> Path:
-        return _our_gguf(ours_dir)
-
-    settings_ours = {"tool": "cpu-quant", "command": "gptq", "flags": ours_flags, **calib,
-                     "token_embd": "Q8_0", "prebuilt": str(ours_dir) if OURS in prebuilt else None}
-    fidelity_arms.append(_fidelity_arm(OURS, settings_ours, ours_gguf, ref, windows, timeout,
-                                       ours_build,
-                                       lambda: _check_ours(ours_dir, calib, ours_flags)))
+    settings_ours = {"tool": "cpu-quant", "command": "gptq", "flags": OURS_FLAGS, **calib,
+                     "token_embd": "Q8_0",
+                     "prebuilt": str(c.ours_dir) if c.ours_prebuilt else None}
+    arms.append(arm(OURS, settings_ours, c.ours_gguf, build=ours_build,
+                    verify=lambda: _check_ours(c.ours_dir, calib, OURS_FLAGS)))
     for type_name, name in EMBEDDING_VARIANTS:
-        out = opts.workdir / "build" / name / f"{src.name}-Q4_0-embd-{type_name.lower()}.gguf"
+        out = c.build_root / name / f"{src.name}-Q4_0-embd-{type_name.lower()}.gguf"
 
         def variant_build(bdir: Path, out=out, type_name=type_name) -> Command:
-            return Command([sys.executable, "-c", _REPLACE_EMBEDDING, str(ours_gguf()), str(src),
-                            str(out), type_name, str(REPO)], timeout=timeout)
+            return Command([sys.executable, "-c", _REPLACE_EMBEDDING, str(c.ours_gguf()),
+                            str(src), str(out), type_name, str(REPO)], timeout=timeout)
 
-        fidelity_arms.append(_fidelity_arm(
-            name, {**settings_ours, "token_embd": type_name,
-                   "derived_from": OURS + ": token_embd re-encoded from the bf16 source"},
-            lambda out=out: out, ref, windows, timeout, variant_build))
+        arms.append(arm(name, {**settings_ours, "token_embd": type_name, "derived_from":
+                               f"{OURS}: token_embd re-encoded from the bf16 source"},
+                        lambda out=out: out, build=variant_build))
     quantize_bin = tools.path / "bin" / "llama-quantize"
     for type_name, name, with_imatrix in LLAMA_ARMS:
-        out = opts.workdir / "build" / name / f"{src.name}-{name}.gguf"
-
-        def llama_build(bdir: Path, out=out, type_name=type_name, with_imatrix=with_imatrix
-                        ) -> Command:
-            argv = [str(quantize_bin)]
-            if with_imatrix:
-                argv += ["--imatrix", str(imatrix)]
-            return Command(argv + [str(bf16), str(out), type_name,
+        def llama_build(bdir: Path, name=name, type_name=type_name,
+                        with_imatrix=with_imatrix) -> Command:
+            argv = [str(quantize_bin)] + (["--imatrix", str(imatrix)] if with_imatrix else [])
+            return Command(argv + [str(bf16), str(c.llama_file(name)), type_name,
                                    str(len(os.sched_getaffinity(0)))], timeout=timeout)
 
-        fidelity_arms.append(_fidelity_arm(
-            name, {"tool": "llama-quantize (llama.cpp vendored in llama-cpp-python "
-                   f"{llama_cpp_env.VERSION})", "type": type_name,
-                   "imatrix": str(imatrix) if with_imatrix else None},
-            lambda out=out: out, ref, windows, timeout, llama_build))
-    fidelity_arms.append(_fidelity_arm(
-        "llama.cpp-bf16", {"tool": "convert_hf_to_gguf.py --outtype bf16", "sanity": True,
-                           "note": "scored against torch bf16 logits, not llama.cpp's"},
-        lambda: bf16, torch_ref, windows, timeout))
-    llama_files = {name: opts.workdir / "build" / name / f"{src.name}-{name}.gguf"
-                   for _, name, _ in LLAMA_ARMS}
-
-    peers = {"llama-cpp-python": env.describe(), "llama.cpp-tools": tools.describe()}
-    common = {"source": str(src), "calibration": calib, "eval": ev, "prep_steps": steps}
-    inputs_hashed = {"source_model": src, "heldout_windows": windows,
-                     "calibration_windows": calib_windows, "calibration_text": calib_txt,
-                     "imatrix": imatrix, "bf16_gguf": bf16}
-    notes = ["Machine shared with other jobs (2 cores); load average at start "
-             f"{[round(x, 2) for x in os.getloadavg()]}; each pass records loadavg_after.",
-             "Reference for every arm but llama.cpp-bf16: llama.cpp on the converter's bf16 "
-             "GGUF; llama.cpp-bf16 is scored against torch bf16 (the runtimes' own gap).",
-             "imatrix: llama-imatrix over cpu-quant's calibration windows decoded to text."]
-    fidelity = Suite(
+        arms.append(arm(name, {"tool": "llama-quantize (llama.cpp vendored in "
+                               f"llama-cpp-python {llama_cpp_env.VERSION})", "type": type_name,
+                               "imatrix": str(imatrix) if with_imatrix else None},
+                        lambda name=name: c.llama_file(name), build=llama_build))
+    arms.append(arm("llama.cpp-bf16", {"tool": "convert_hf_to_gguf.py --outtype bf16",
+                                       "sanity": "scored against torch bf16 logits"},
+                    lambda: bf16, reference=torch_ref))
+    return Suite(
         name="gguf-fidelity",
         description="KL, perplexity delta and top-1 agreement in llama.cpp on held-out text: "
                     "cpu-quant's GGUF Q4_0 vs llama.cpp's own 4-bit types",
-        metrics=FIDELITY_METRICS, arms=fidelity_arms, settings=dict(common),
-        baseline=BASELINE, inputs=dict(inputs_hashed), peers=peers, notes=list(notes))
+        metrics=FIDELITY_METRICS, arms=arms,
+        settings={"source": str(src), "calibration": calib, "eval": ev,
+                  "prep_steps": _record_steps(inputs, [])},
+        baseline=BASELINE,
+        inputs={"source_model": src, "heldout_windows": windows,
+                "calibration_windows": calib_windows, "calibration_text": calib_txt,
+                "imatrix": imatrix, "bf16_gguf": bf16},
+        peers={"llama-cpp-python": env.describe(), "llama.cpp-tools": tools.describe()},
+        notes=c.notes + [
+            "Reference of every arm but llama.cpp-bf16: llama.cpp on the converter's bf16 GGUF; "
+            "llama.cpp-bf16 is scored against torch bf16 (the runtimes' own gap).",
+            f"Pass p scores windows i with i % {SLICES} == p % {SLICES} (a third of the "
+            "held-out windows each): the spread over passes is the spread over text.",
+            "imatrix: llama-imatrix over cpu-quant's calibration windows decoded to text."])
+
+
+def _decode_suite(c: _Context) -> Suite:
+    dec = dict(DECODE_SMOKE if c.opts.smoke else DECODE)
 
     def decode_arm(name: str, model_of) -> Arm:
         def command(ctx: PassContext) -> Command:
-            return Command([str(env.python), str(PEERS / "llama_cpp_pass.py"), str(model_of()),
+            return Command([str(c.env.python), str(PEERS / "llama_cpp_pass.py"), str(model_of()),
                             str(ctx.workdir / "pass.json"), str(dec["decode_tokens"]),
                             str(dec["prompt_len"])], timeout=1800)
 
@@ -423,58 +453,86 @@ def build(opts: q.SuiteOptions) -> list[Suite]:
             return {k: r[k] for k in ("decode_all", "prefill_all", "start_seconds",
                                       "rss_anon_bytes", "n_threads", "extra_bufts_off")}
 
-        return Arm(name, {"model": "see artifacts", **dec}, command, collect,
+        return Arm(name, dict(dec), command, collect,
                    artifacts=lambda ctx: {"gguf": model_of()}, extras=extras)
 
-    decode = Suite(
+    theirs = "llama.cpp-q4_0"
+    return Suite(
         name="gguf-decode",
         description="llama.cpp decode/prefill tokens/s: cpu-quant's Q4_0 file vs llama.cpp's "
-                    "own Q4_0 (same process settings)",
+                    "own Q4_0, same process settings",
         metrics=DECODE_METRICS,
-        arms=[decode_arm("decode-llama.cpp-q4_0", lambda: llama_files["llama.cpp-q4_0"]),
-              decode_arm(f"decode-{OURS}", ours_gguf)],
-        settings={"source": str(src), **dec}, baseline="decode-llama.cpp-q4_0",
-        peers=peers, notes=list(notes[:1]))
+        arms=[decode_arm(f"decode-{theirs}", lambda: c.llama_file(theirs)),
+              decode_arm(f"decode-{OURS}", c.ours_gguf)],
+        settings={"source": str(c.src), **dec,
+                  "files": "the gguf-fidelity part's (same --workdir)"},
+        baseline=f"decode-{theirs}", peers={"llama-cpp-python": c.env.describe()},
+        notes=list(c.notes))
+
+
+def _formats_suite(c: _Context) -> Suite:
+    calib = dict(CALIB_SMOKE if c.opts.smoke else FORMATS_CALIB)
 
     def formats_arm(name: str, formats: str) -> Arm:
         flags = ["--format", formats, "--no-lm-head"]
 
         def command(ctx: PassContext) -> Command:
-            return Command(q.cpu_quant_gptq_argv(src, ctx.workdir / "artifact", fmt_calib,
-                                                 flags), timeout=timeout)
+            return Command(q.cpu_quant_gptq_argv(c.src, ctx.workdir / "artifact", calib, flags),
+                           timeout=c.timeout)
 
         def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
-            art = ctx.workdir / "artifact"
-            wanted_dirs = formats.split(",")
-            if len(wanted_dirs) > 1:
-                missing = [f for f in wanted_dirs if not (art / f).is_dir()]
-                if missing:
-                    raise ValueError(f"formats not written: {missing}")
+            many = formats.split(",")
+            missing = [f for f in many if len(many) > 1 and not (ctx.workdir / "artifact" / f)
+                       .is_dir()]
+            if missing:  # the knob reached the pipeline: every asked format is on disk
+                raise ValueError(f"formats not written: {missing}")
             return {}
 
-        return Arm(name, {"tool": "cpu-quant", "flags": flags, **fmt_calib}, command, collect,
+        return Arm(name, {"tool": "cpu-quant", "flags": flags, **calib}, command, collect,
                    artifacts=lambda ctx: {"artifact": ctx.workdir / "artifact"})
 
-    formats = Suite(
+    return Suite(
         name="gguf-formats",
         description="wall time of one cpu-quant run writing gptq,cpu_int4,gguf vs gptq alone "
-                    f"(reduced calibration {fmt_calib['samples']} x {fmt_calib['seqlen']})",
+                    f"(reduced calibration {calib['samples']} x {calib['seqlen']})",
         metrics=[WALL_SECONDS, CPU_SECONDS],
         arms=[formats_arm("formats-gptq", "gptq"),
               formats_arm("formats-gptq+cpu_int4+gguf", "gptq,cpu_int4,gguf")],
-        settings={"source": str(src), "calibration": fmt_calib},
-        baseline="formats-gptq", peers=peers, notes=list(notes[:1]))
+        settings={"source": str(c.src), "calibration": calib}, baseline="formats-gptq",
+        notes=list(c.notes))
 
-    suites = {"fidelity": fidelity, "decode": decode, "formats": formats}
-    if wanted:
-        for part, suite in suites.items():
-            if part not in wanted:
-                suite.arms = [a for a in suite.arms if a.name in wanted]
-        unknown = wanted - set(PARTS) - {a.name for s in suites.values() for a in s.arms}
-        if unknown:
-            raise ValueError(f"unknown arm(s) or part(s): {', '.join(sorted(unknown))}")
-    if smoke:
-        for s in suites.values():
+
+def build(opts: q.SuiteOptions) -> list[Suite]:
+    """The wanted parts (``--arms`` takes part names and arm names), each a ``Suite``."""
+    wanted = set(opts.arms or [])
+    parts = [p for p in PARTS if not wanted or p in wanted] or list(PARTS)
+    prebuilt = {k: Path(v).resolve() for k, v in (opts.prebuilt or {}).items()}
+    if set(prebuilt) - {OURS}:
+        raise ValueError(f"--artifact: only {OURS} can be given prebuilt")
+    calib = dict(CALIB_SMOKE if opts.smoke else CALIB)
+    src = q.source_model(opts)
+    (opts.workdir / "inputs").mkdir(parents=True, exist_ok=True)
+    ours_dir = prebuilt.get(OURS, opts.workdir / "build" / OURS / "artifact")
+    if OURS in prebuilt:
+        _check_ours(ours_dir, calib, OURS_FLAGS)  # before any other work
+    c = _Context(opts, src, calib, dict(EVAL_SMOKE if opts.smoke else EVAL),
+                 q.TIMEOUT_SMOKE if opts.smoke else q.TIMEOUT_REAL,
+                 llama_cpp_env.install() if parts != ["formats"] else None,
+                 ours_dir, OURS in prebuilt,
+                 [f"Machine shared with other jobs (2 cores); load average at start "
+                  f"{[round(x, 2) for x in os.getloadavg()]}; each pass records "
+                  "loadavg_after, the provenance the load at the end."]
+                 + ([os.environ[NOTE_ENV]] if os.environ.get(NOTE_ENV) else []))
+    builders = {"fidelity": _fidelity_suite, "decode": _decode_suite, "formats": _formats_suite}
+    suites = [builders[p](c) for p in parts]
+    arm_names = wanted - set(PARTS)
+    if arm_names:
+        known = {a.name for s in suites for a in s.arms}
+        if arm_names - known:
+            raise ValueError(f"unknown arm(s): {', '.join(sorted(arm_names - known))}")
+        for s in suites:
+            s.arms = [a for a in s.arms if a.name in arm_names] or s.arms
+    if opts.smoke:
+        for s in suites:
             s.description += " (SMOKE)"
-    return [s for s in suites.values() if s.arms]
-
+    return suites
