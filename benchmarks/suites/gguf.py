@@ -23,10 +23,13 @@ Fidelity arms (baseline ``llama.cpp-q4_0-imatrix``, so ``kl_mean``'s ratio is ou
 ``cpu-quant-q4_0-g32``             ``cpu-quant gptq --group 32 --format gguf --no-lm-head``
                                    (``CALIB``; token_embd Q8_0, the tied head)
 ``cpu-quant-q4_0-g32-embd-f16``    the same file with token_embd F16 (from the bf16 source)
-``llama.cpp-q4_0``                 ``llama-quantize bf16.gguf Q4_0`` (no imatrix)
-``llama.cpp-q4_0-imatrix``         ``llama-quantize --imatrix`` Q4_0
+``llama.cpp-q4_0``                 Q4_0, no imatrix: ``llama_model_quantize`` through
+                                   llama-cpp-python (``llama_cpp_env.gguf_files``, as the
+                                   runtime suite; ``llama-quantize`` wraps the same function)
+``llama.cpp-q4_0-imatrix``         ``llama-quantize --imatrix`` Q4_0 (the C API takes no
+                                   imatrix: it is a C++ object, hence the tools)
 ``llama.cpp-iq4_nl-imatrix``       ``llama-quantize --imatrix`` IQ4_NL
-``llama.cpp-q4_k_m``               ``llama-quantize`` Q4_K_M (no imatrix; with one: not measured
+``llama.cpp-q4_k_m``               Q4_K_M as ``llama.cpp-q4_0`` (no imatrix; with one: not measured
                                    yet, for time on the shared machine)
 ``llama.cpp-bf16``                 the converter's bf16 GGUF, scored against torch bf16
 =================================  ===========================================================
@@ -325,12 +328,18 @@ class _Context:
     ours_dir: Path
     ours_prebuilt: bool
     notes: list[str]
+    arm_names: set[str]  # --arms minus part names; empty: every arm
 
     @property
     def build_root(self) -> Path:
         return self.opts.workdir / "build"
 
     def llama_file(self, name: str) -> Path:
+        """An arm's llama.cpp file: imatrix arms are built by the harness, the others cached in
+        ``inputs/`` by ``llama_cpp_env.gguf_files``."""
+        for type_name, arm, with_imatrix in LLAMA_ARMS:
+            if arm == name and not with_imatrix:
+                return self.opts.workdir / "inputs" / f"{self.src.name}-{type_name.lower()}.gguf"
         return self.build_root / name / f"{self.src.name}-{name}.gguf"
 
     def ours_gguf(self) -> Path:
@@ -342,6 +351,9 @@ OURS_FLAGS = ["--format", "gguf", "--no-lm-head"]
 
 def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
     src, calib, ev, timeout, env = c.src, c.calib, c.ev, c.timeout, c.env
+    # llama.cpp's tools only for the imatrix arms (the C API takes no imatrix)
+    imatrix_arms = {name for _, name, with_imatrix in LLAMA_ARMS if with_imatrix}
+    tools_needed = tools_needed and (not c.arm_names or bool(imatrix_arms & c.arm_names))
     tools = llama_cpp_env.install_tools() if tools_needed else None
     inputs = c.opts.workdir / "inputs"
     steps: list[dict] = []
@@ -362,10 +374,8 @@ def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
         torch_reference_logits(src, windows, torch_ref)
         _record_steps(inputs, [{"step": "torch-reference-logits", "exit_status": 0,
                                 "wall_seconds": round(time.perf_counter() - t0, 1)}])
-    if tools is None:  # preparing the inputs only
-        return None
     imatrix = inputs / f"imatrix-{cshape}.gguf"
-    if not imatrix.is_file():
+    if tools is not None and not imatrix.is_file():
         _run_step("imatrix", [str(tools.path / "bin" / "llama-imatrix"), "-m", str(bf16),
                               "-f", str(calib_txt), "-o", str(imatrix),
                               "-c", str(calib["seqlen"]), "-b", str(calib["seqlen"]),
@@ -400,17 +410,28 @@ def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
         arms.append(arm(name, {**settings_ours, "token_embd": type_name, "derived_from":
                                f"{OURS}: token_embd re-encoded from the bf16 source"},
                         lambda out=out: out, build=variant_build))
-    quantize_bin = tools.path / "bin" / "llama-quantize"
     for type_name, name, with_imatrix in LLAMA_ARMS:
-        def llama_build(bdir: Path, name=name, type_name=type_name,
-                        with_imatrix=with_imatrix) -> Command:
-            argv = [str(quantize_bin)] + (["--imatrix", str(imatrix)] if with_imatrix else [])
-            return Command(argv + [str(bf16), str(c.llama_file(name)), type_name,
-                                   str(len(os.sched_getaffinity(0)))], timeout=timeout)
+        settings = {"type": type_name, "imatrix": str(imatrix) if with_imatrix else None}
+        if not with_imatrix:  # the C API, as the runtime suite quantizes (cached in inputs/)
+            t0 = time.perf_counter()
+            path = llama_cpp_env.gguf_files(env, src, inputs, [type_name.lower()])[
+                type_name.lower()]
+            _record_steps(inputs, [{"step": f"llama_model_quantize {type_name}",
+                                    "exit_status": 0, "path": str(path),
+                                    "wall_seconds": round(time.perf_counter() - t0, 1)}])
+            arms.append(arm(name, {**settings, "tool": "llama_model_quantize (llama-cpp-python "
+                                   f"{llama_cpp_env.VERSION})"}, lambda path=path: path))
+            continue
+        if tools is None:
+            continue
 
-        arms.append(arm(name, {"tool": "llama-quantize (llama.cpp vendored in "
-                               f"llama-cpp-python {llama_cpp_env.VERSION})", "type": type_name,
-                               "imatrix": str(imatrix) if with_imatrix else None},
+        def llama_build(bdir: Path, name=name, type_name=type_name) -> Command:
+            return Command([str(tools.path / "bin" / "llama-quantize"), "--imatrix", str(imatrix),
+                            str(bf16), str(c.llama_file(name)), type_name,
+                            str(len(os.sched_getaffinity(0)))], timeout=timeout)
+
+        arms.append(arm(name, {**settings, "tool": "llama-quantize (llama.cpp vendored in "
+                               f"llama-cpp-python {llama_cpp_env.VERSION})"},
                         lambda name=name: c.llama_file(name), build=llama_build))
     arms.append(arm("llama.cpp-bf16", {"tool": "convert_hf_to_gguf.py --outtype bf16",
                                        "sanity": "scored against torch bf16 logits"},
@@ -422,11 +443,12 @@ def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
         metrics=FIDELITY_METRICS, arms=arms,
         settings={"source": str(src), "calibration": calib, "eval": ev,
                   "prep_steps": _record_steps(inputs, [])},
-        baseline=BASELINE,
+        baseline=BASELINE if tools is not None else "llama.cpp-q4_0",
         inputs={"source_model": src, "heldout_windows": windows,
                 "calibration_windows": calib_windows, "calibration_text": calib_txt,
-                "imatrix": imatrix, "bf16_gguf": bf16},
-        peers={"llama-cpp-python": env.describe(), "llama.cpp-tools": tools.describe()},
+                "bf16_gguf": bf16, **({"imatrix": imatrix} if tools is not None else {})},
+        peers={"llama-cpp-python": env.describe(),
+               **({"llama.cpp-tools": tools.describe()} if tools is not None else {})},
         notes=c.notes + [
             "Reference of every arm but llama.cpp-bf16: llama.cpp on the converter's bf16 GGUF; "
             "llama.cpp-bf16 is scored against torch bf16 (the runtimes' own gap).",
@@ -522,7 +544,8 @@ def build(opts: q.SuiteOptions) -> list[Suite]:
                  [f"Machine shared with other jobs (2 cores); load average at start "
                   f"{[round(x, 2) for x in os.getloadavg()]}; each pass records "
                   "loadavg_after, the provenance the load at the end."]
-                 + ([os.environ[NOTE_ENV]] if os.environ.get(NOTE_ENV) else []))
+                 + ([os.environ[NOTE_ENV]] if os.environ.get(NOTE_ENV) else []),
+                 wanted - set(PARTS))
     builders = {"fidelity": _fidelity_suite, "decode": _decode_suite, "formats": _formats_suite}
     suites = [builders[p](c) for p in parts]
     arm_names = wanted - set(PARTS)
