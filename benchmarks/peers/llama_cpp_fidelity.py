@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
+    x = x.astype(np.float32)  # float32 logits; the sums below accumulate in float64
     x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
 
 
 def _open(model: str, seqlen: int):
@@ -84,7 +84,7 @@ def compare(model: str, windows: list[list[int]], ref_path: Path, part: int = 0,
         w = windows[i]
         lp_arm = _log_softmax(window_logits(llm, w))
         lp_ref = _log_softmax(np.asarray(ref[i]))
-        kl = (np.exp(lp_ref) * (lp_ref - lp_arm)).sum(axis=-1)
+        kl = (np.exp(lp_ref) * (lp_ref - lp_arm)).sum(axis=-1, dtype=np.float64)
         kls.append(kl)
         per_window.append(float(kl.mean()))
         top1 += int((lp_ref.argmax(-1) == lp_arm.argmax(-1)).sum())
