@@ -88,7 +88,9 @@ EVAL_SMOKE = {"windows": 3, "seqlen": 64}
 # windows (3072 positions); on the shared machine one bf16 evaluation of all 24 took 20 min
 SLICES = 6
 FORMATS_CALIB = {"samples": 4, "seqlen": 256, "group": 32, "batch_size": 4, "calib": "austen"}
-DECODE = {"decode_tokens": 64, "prompt_len": 256}
+# reduced for the shared machine: one pass of 64 decode tokens + 256-token prefills took
+# over 13 min there (load ~15 on 2 cores)
+DECODE = {"decode_tokens": 32, "prompt_len": 64}
 DECODE_SMOKE = {"decode_tokens": 8, "prompt_len": 32}
 OURS = "cpu-quant-q4_0-g32"
 BASELINE = "llama.cpp-q4_0-imatrix"
