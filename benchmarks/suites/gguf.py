@@ -384,12 +384,15 @@ def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
         # collected on the Q8_0 model: about twice as fast as bf16 here, and its activations
         # are within Q8_0 rounding of the source's
         q8 = llama_cpp_env.gguf_files(env, src, inputs, ["q8_0"])["q8_0"]
+        # the tool saves every 10 chunks: only a finished file may carry the final name
+        partial = imatrix.with_name(imatrix.stem + ".partial.gguf")
         _run_step("imatrix", [str(tools.path / "bin" / "llama-imatrix"), "-m", str(q8),
-                              "-f", str(calib_txt), "-o", str(imatrix),
+                              "-f", str(calib_txt), "-o", str(partial),
                               "-c", str(calib["seqlen"]), "-b", str(calib["seqlen"]),
                               "--chunks", str(calib["samples"]),
                               "-t", str(len(os.sched_getaffinity(0))), "--no-ppl", *NO_REPACK],
                   inputs, steps)
+        os.replace(partial, imatrix)
 
     def arm(name: str, settings: dict, model_of, reference: Path = ref, build=None,
             verify=None) -> Arm:
