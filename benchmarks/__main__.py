@@ -267,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="tiny settings, one pass by default, no verdicts (CI)")
     run.add_argument("--out", default=str(RESULTS), help="directory for the result JSON")
     run.add_argument("--workdir", default=None, help="directory for artifacts and inputs")
-    run.add_argument("--arms", default=None, help="comma-separated subset of the suite's arms")
+    run.add_argument("--arms", default=None,
+                     help="comma-separated subset of the suite's arms (gguf: also its parts)")
     run.add_argument("--source", default=None, help="source checkpoint (default: demo model)")
     run.add_argument("--artifact", action="append", default=[], metavar="ARM=DIR",
                      help="use this already-built artifact for ARM instead of building it "
-                          "(fidelity, runtime, phone; fidelity and phone check it against the "
-                          "arm's settings)")
+                          "(fidelity, runtime, phone, gguf; fidelity, phone and gguf check it "
+                          "against the arm's settings)")
     run.set_defaults(func=cmd_run)
     plot = sub.add_parser("plot", help="draw PNG plots from result files")
     plot.add_argument("results", nargs="+")
