@@ -485,8 +485,8 @@ def _decode_suite(c: _Context) -> Suite:
         def extras(ctx: PassContext, run: RunRecord) -> dict:
             r = json.loads((ctx.workdir / "pass.json").read_text())
             return {k: r.get(k) for k in ("decode_all", "prefill_all", "decode_invalid_samples",
-                                          "start_seconds",
-                                      "rss_anon_bytes", "n_threads", "extra_bufts_off")}
+                                          "start_seconds", "rss_anon_bytes", "n_threads",
+                                          "extra_bufts_off")}
 
         return Arm(name, dict(dec), command, collect,
                    artifacts=lambda ctx: {"gguf": model_of()}, extras=extras)
