@@ -9,11 +9,13 @@ Suites: ``quantize`` (time and memory of quantizing, cpu-quant vs GPTQModel), ``
 (every method's artifact against the bf16 source), ``memory`` (peak RssAnon against depth and
 calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and RssAnon: bf16 vs
 GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
-tokens/s: fp32 vs 8da8w vs 8da4w).
+tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against llama.cpp's own
+4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats).
 
 ``run`` exits 0 when every pass succeeded, 1 when any pass failed (the result file is written
 either way, failures included), 2 on a usage error. Suites are modules under
-``benchmarks/suites/`` exposing ``build(SuiteOptions) -> Suite``; their results go to
+``benchmarks/suites/`` exposing ``build(SuiteOptions) -> Suite`` (or a list of suites, its
+parts, each run and written in turn); their results go to
 ``benchmarks/results/`` and their work files (artifacts) to
 ``$XDG_CACHE_HOME/cpu-quant/bench-work/<suite>-<time>/`` unless ``--workdir`` says otherwise.
 """
@@ -66,9 +68,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                         source=Path(args.source).resolve() if args.source else None,
                         arms=args.arms.split(",") if args.arms else None,
                         prebuilt=dict(_arm_path(a) for a in args.artifact))
-    suite = module.build(opts)
-    result, _ = run_suite(suite, passes, args.smoke, Path(args.out), workdir)
-    return 1 if result["failed_passes"] else 0
+    built = module.build(opts)
+    failed = 0
+    for suite in built if isinstance(built, list) else [built]:  # a suite of parts: one run each
+        result, _ = run_suite(suite, passes, args.smoke, Path(args.out), workdir)
+        failed += result["failed_passes"]
+    return 1 if failed else 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -262,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="tiny settings, one pass by default, no verdicts (CI)")
     run.add_argument("--out", default=str(RESULTS), help="directory for the result JSON")
     run.add_argument("--workdir", default=None, help="directory for artifacts and inputs")
-    run.add_argument("--arms", default=None, help="comma-separated subset of the suite's arms")
+    run.add_argument("--arms", default=None,
+                     help="comma-separated subset of the suite's arms (gguf: also its parts)")
     run.add_argument("--source", default=None, help="source checkpoint (default: demo model)")
     run.add_argument("--artifact", action="append", default=[], metavar="ARM=DIR",
                      help="use this already-built artifact for ARM instead of building it "
-                          "(fidelity, runtime, phone; fidelity and phone check it against the "
-                          "arm's settings)")
+                          "(fidelity, runtime, phone, gguf; fidelity, phone and gguf check it "
+                          "against the arm's settings)")
     run.set_defaults(func=cmd_run)
     plot = sub.add_parser("plot", help="draw PNG plots from result files")
     plot.add_argument("results", nargs="+")

@@ -20,7 +20,14 @@ Qwen2 carrying the demo model's tokenizer, a pairing no real checkpoint has; the
 feed token ids, never text, so the pre-tokenizer is declared ``qwen2`` (recorded in the file's
 metadata; speed does not depend on it).
 
-``python -m benchmarks.peers.llama_cpp_env`` installs (or reports) the venv.
+``install_tools()`` builds llama.cpp's own command-line tools from the same vendored source
+(``llama-imatrix``, ``llama-quantize``, ``llama-perplexity``: the importance matrix is a C++
+pointer in ``llama_model_quantize_params``, so only the tools can apply it) into
+``$CACHE/peers/llama.cpp-tools-0.3.36/bin``, statically linked, with the venv's ``GGML_NATIVE``
+build; staged in ``DIR.partial`` and renamed into place like the venv.
+
+``python -m benchmarks.peers.llama_cpp_env`` installs (or reports) the venv;
+``python -m benchmarks.peers.llama_cpp_env --tools`` the tools.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ PASS_SCRIPT = Path(__file__).with_name("llama_cpp_pass.py")
 # llama.cpp's file types (llama.h, enum llama_ftype) for the types the benchmark offers
 FTYPES = {"q4_0": 2, "q4_k_m": 15, "q8_0": 7}
 CONVERT_PRE_TOKENIZER = "qwen2"
+TOOLS = ("llama-imatrix", "llama-quantize", "llama-perplexity")
+TOOLS_CMAKE_ARGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release")
 
 
 def venv_dir() -> Path:
@@ -110,6 +120,64 @@ def install(force: bool = False) -> PeerEnv:
     build_staged(root, build, log_path)
     env = ready_env()
     assert env is not None
+    return env
+
+
+def tools_dir() -> Path:
+    return _cache_root() / "peers" / f"llama.cpp-tools-{VERSION}"
+
+
+def ready_tools() -> PeerEnv | None:
+    """The built tools (``env.path / "bin" / NAME``), or None; ``python`` is unused."""
+    root = tools_dir()
+    marker = root / "READY"
+    if not marker.is_file() or not all((root / "bin" / t).is_file() for t in TOOLS):
+        return None
+    return PeerEnv(root, root / "bin" / TOOLS[0], json.loads(marker.read_text()))
+
+
+def install_tools(force: bool = False) -> PeerEnv:
+    """Build llama.cpp's imatrix/quantize/perplexity tools from the sdist (minutes); idempotent."""
+    import shutil
+
+    existing = ready_tools()
+    if existing is not None and not force:
+        return existing
+    root = tools_dir()
+    log_path = root.with_name(root.name + ".install.log")
+
+    def build(staging: Path, log) -> dict:
+        sdist_dir = staging / "sdist"
+        _run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check",
+              "--no-deps", "--no-binary", ":all:", "-d", str(sdist_dir),
+              f"llama-cpp-python=={VERSION}"], log)
+        sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        src = staging / "llama.cpp"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(src, members=[m for m in members if m.name], filter="data")
+        jobs = str(len(os.sched_getaffinity(0)))
+        _run(["cmake", "-S", str(src), "-B", str(staging / "build"), "-G", "Ninja",
+              *TOOLS_CMAKE_ARGS], log)
+        _run(["cmake", "--build", str(staging / "build"), "-j", jobs, "--target", *TOOLS], log)
+        (staging / "bin").mkdir()
+        for t in TOOLS:
+            shutil.copy2(staging / "build" / "bin" / t, staging / "bin" / t)
+        shutil.rmtree(staging / "build")
+        shutil.rmtree(sdist_dir)
+        out = subprocess.run([str(staging / "bin" / "llama-quantize"), "--help"],
+                             capture_output=True, text=True)
+        return {"llama_cpp_python_sdist": VERSION, "tools": list(TOOLS),
+                "cmake_args": list(TOOLS_CMAKE_ARGS),
+                "quantize_help_head": (out.stdout + out.stderr).strip().splitlines()[:2]}
+
+    build_staged(root, build, log_path)
+    env = ready_tools()
+    if env is None:
+        raise PeerInstallError(f"the tools are not where they were built; see {log_path}")
     return env
 
 
@@ -177,6 +245,9 @@ def gguf_files(env: PeerEnv, src: Path, workdir: Path, types: list[str]) -> dict
 
 
 def main() -> int:
+    if "--tools" in sys.argv:
+        sys.argv.remove("--tools")
+        return peer_main(__doc__.splitlines()[0], install_tools)
     return peer_main(__doc__.splitlines()[0], install)
 
 

@@ -7,7 +7,9 @@ ratios to vLLM bf16 compare like with like:
 
 ``decode_tok_s``    batch 1: ``(N - 1) / (t(N tokens) - t(1 token))`` for a 16-token prompt of
                     random ids, greedy, best of 3 (N = DECODE_TOKENS); each timing starts from an
-                    empty KV cache
+                    empty KV cache; a sample with t(N) <= t(1) (a stall, on a loaded machine) is
+                    dropped and listed in ``decode_invalid_samples``, and a pass without any valid
+                    sample fails
 ``prefill_tok_s``   a PROMPT_LEN-token prompt of random ids evaluated in one batch, plus one
                     greedy token: PROMPT_LEN / time, best of 3
 ``rss_anon_bytes``  RssAnon of this process after the model is loaded
@@ -63,15 +65,21 @@ def main(argv: list[str]) -> int:
         return time.perf_counter() - t
 
     timed(prompt(DECODE_PROMPT_LEN), 8)  # warm-up
-    decode, prefill = [], []
+    decode, prefill, invalid = [], [], []
     for _ in range(3):
         p = prompt(DECODE_PROMPT_LEN)
         one = timed(p, 1)
         many = timed(p, decode_tokens)
-        decode.append((decode_tokens - 1) / max(many - one, 1e-9))
+        if many > one:
+            decode.append((decode_tokens - 1) / (many - one))
+        else:  # a stall during t(1 token) (a loaded machine): no rate, not an infinite one
+            invalid.append([one, many])
         prefill.append(prompt_len / timed(prompt(prompt_len), 1))
+    if not decode:
+        raise SystemExit(f"no valid decode sample: t(1 token) >= t(N tokens) in {invalid}")
     result = {"start_seconds": start, "rss_anon_bytes": rss, "decode_tok_s": max(decode),
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
+              "decode_invalid_samples": invalid,
               "decode_tokens": decode_tokens, "prompt_len": prompt_len, "n_threads": threads,
               "llama_cpp_python": llama_cpp.__version__, "extra_bufts_off": extra_bufts_off(),
               "system_info": llama_cpp.llama_print_system_info().decode()}

@@ -199,8 +199,10 @@ def cpu_quant_gptq_argv(src: Path, dst: Path, settings: dict, flags: list[str]) 
 
 
 def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
-    """Read ``quantization_report.json`` and check the knobs reached the pipeline (rule 4)."""
-    report = json.loads((dst / "quantization_report.json").read_text())
+    """Read ``quantization_report.json`` (``dst`` itself when it is the report file) and check
+    the knobs reached the pipeline (rule 4)."""
+    path = dst if dst.is_file() else dst / "quantization_report.json"
+    report = json.loads(path.read_text())
     s = report["settings"]
     calibrated = "none" not in flags
     problems = []
