@@ -381,8 +381,8 @@ def _cli_eval(artifact: Path, reference: Path, out: Path) -> dict:
     # small (4 x 256 tokens): the two grids differ by far more than this sample's noise
     # (measured: asymmetric 0.079 vs symmetric 0.167 nats at 4 x 256; larger samples in the docs)
     run_cli("eval", str(artifact), "--reference", str(reference), "--windows", "4",
-            "--seqlen", "256", "--prompts", "2", "--new-tokens", "4", "--json", str(out))
-    return json.loads(out.read_text())
+            "--seqlen", "256", "--prompts", "2", "--new-tokens", "4", "--output-json", str(out))
+    return json.loads(out.read_text())["fidelity"]["weights"]
 
 
 @pytest.mark.slow
