@@ -109,7 +109,6 @@ def compare(model: str, windows: list[list[int]], ref_path: Path, part: int = 0,
 def main(argv: list[str]) -> int:
     mode, model, windows_path = argv[0], argv[1], Path(argv[2])
     windows = json.loads(windows_path.read_text())
-    import llama_cpp
 
     if mode == "save":
         result = save(model, windows, Path(argv[3]))
@@ -120,10 +119,9 @@ def main(argv: list[str]) -> int:
         out = Path(argv[4])
     else:
         raise SystemExit(f"unknown mode {mode!r}: save or compare")
-    result["llama_cpp_python"] = llama_cpp.__version__
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
+    from benchmarks.peers.llama_cpp_open import write_result  # sys.path set by _open
+
+    write_result(out, result)
     return 0
 
 

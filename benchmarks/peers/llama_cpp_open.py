@@ -36,6 +36,18 @@ def _params_without_extra_bufts():
     return params
 
 
+def write_result(out, result: dict) -> None:
+    """A pass's JSON result, renamed into place only when whole (``out`` is a Path)."""
+    import json
+    import os
+
+    result["llama_cpp_python"] = llama_cpp.__version__
+    result["extra_bufts_off"] = extra_bufts_off()
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out)
+
+
 def open_model(path: str, **kwargs) -> llama_cpp.Llama:
     """``llama_cpp.Llama(model_path=path, **kwargs)``, with repacking off on an AMX build."""
     if extra_bufts_off():

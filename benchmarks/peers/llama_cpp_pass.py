@@ -22,7 +22,6 @@ RssAnon, which is what a user of llama.cpp gets.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -38,7 +37,7 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))  # the project's one RssAnon reader (stdlib only)
     import llama_cpp
 
-    from benchmarks.peers.llama_cpp_open import extra_bufts_off, open_model
+    from benchmarks.peers.llama_cpp_open import open_model, write_result
     from cpu_quant.memory import anon_rss_bytes
 
     threads = len(os.sched_getaffinity(0))
@@ -81,11 +80,8 @@ def main(argv: list[str]) -> int:
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
               "decode_invalid_samples": invalid,
               "decode_tokens": decode_tokens, "prompt_len": prompt_len, "n_threads": threads,
-              "llama_cpp_python": llama_cpp.__version__, "extra_bufts_off": extra_bufts_off(),
               "system_info": llama_cpp.llama_print_system_info().decode()}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out)
+    write_result(out, result)
     return 0
 
 
