@@ -147,3 +147,15 @@ def test_model_card_for_a_file_artifact_is_written_atomically(tmp_path):
 def test_quiet_and_verbose_together_are_refused(tmp_path):
     res = _invoke("gptq", str(tmp_path / "src"), str(tmp_path / "dst"), "-q", "-v")
     assert res.exit_code == 2 and "-q and -v contradict" in res.stderr
+
+
+def test_python_dash_m_is_the_same_command_line():
+    """``python -m cpu_quant`` is ``cpu-quant``: same program name, same errors."""
+    out = subprocess.run([sys.executable, "-m", "cpu_quant", "gptq", "--group", "7", "/nonexistent"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error:"), out.stderr
+    helped = subprocess.run([sys.executable, "-m", "cpu_quant", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage: cpu-quant"), helped.stdout
