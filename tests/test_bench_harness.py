@@ -282,3 +282,17 @@ def test_runtime_bench_baseline_is_patches_off_where_stock_vllm_cannot_load(tmp_
     for arm, start in (("patched", off), ("patches-off", on), ("stock", on), ("patched", none)):
         with pytest.raises(HarnessError):
             rb._check_connected(arm, start)
+
+
+@pytest.mark.parametrize("line, counts, seconds", [
+    ("308 passed, 1 skipped, 2 xfailed in 512.34s (0:08:32)",
+     {"passed": 308, "skipped": 1, "xfailed": 2}, 512.34),
+    ("=========== 3 failed, 40 passed, 5 warnings in 61.00s (0:01:01) ===========",
+     {"failed": 3, "passed": 40, "warnings": 5}, 61.0),
+])
+def test_test_tiers_reads_pytests_closing_line(line, counts, seconds):
+    from benchmarks.test_tiers import pytest_summary
+
+    got = pytest_summary(f"tests/test_x.py ....\nslowest durations\n{line}\n")
+    assert got == {"counts": counts, "pytest_seconds": seconds}
+    assert pytest_summary("no summary here\n") is None

@@ -1,0 +1,103 @@
+"""How long CI's steps take: the setup, the unit tier and the end-to-end tier, one run each.
+
+    python -m benchmarks.test_tiers [--setup] [--out DIR]
+
+Runs, from the repository root, the commands of ``.ci/run`` in its order: with ``--setup``,
+``scripts/setup.sh --tests`` first (on a clean clone this is the install CI does); then
+``pytest -q -ra`` (the unit tier) and ``pytest -q -ra -m e2e`` (the end-to-end tier), each
+with the venv's Python. For each step it records the wall time, the exit status, pytest's
+closing line (passed / skipped / failed counts and pytest's own time), the load average
+before and after, and the tail of its output; the result carries the benchmark provenance (git
+SHA and cleanliness, CPU model and flags, package versions). Result file:
+``<out>/test-tiers-<UTC time>.json``, written atomically once every step has run; the run
+exits non-zero when any step failed (the file is written either way).
+
+This is one timed run, not a comparison: the README states its times as "one clean-clone run
+on <CPU>", with the load average it ran under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import provenance
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+TAIL = 3000
+SUMMARY_RE = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s")
+
+
+def steps(with_setup: bool) -> list[tuple[str, list[str]]]:
+    py = str(REPO / ".venv" / "bin" / "python")
+    out = [("setup", ["./scripts/setup.sh", "--tests"])] if with_setup else []
+    return out + [("unit", [py, "-m", "pytest", "-q", "-ra"]),
+                  ("e2e", [py, "-m", "pytest", "-q", "-ra", "-m", "e2e"])]
+
+
+def pytest_summary(output: str) -> dict | None:
+    """pytest's closing line (``12 passed, 1 skipped in 34.56s``) as counts and seconds."""
+    for line in reversed(output.splitlines()):
+        m = SUMMARY_RE.match(line.strip())
+        if m:
+            counts = {}
+            for part in m.group("body").split(", "):
+                n, word = part.split(" ", 1)
+                counts[word] = int(n)
+            return {"counts": counts, "pytest_seconds": float(m.group("seconds"))}
+    return None
+
+
+def run_step(name: str, argv: list[str]) -> dict:
+    load_before = list(os.getloadavg())
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    wall = time.perf_counter() - t0
+    record = {"step": name, "command": " ".join(argv), "returncode": proc.returncode,
+              "wall_seconds": round(wall, 1), "loadavg_before": load_before,
+              "loadavg_after": list(os.getloadavg()), "output_tail": proc.stdout[-TAIL:]}
+    if name != "setup":
+        record["pytest"] = pytest_summary(proc.stdout)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.test_tiers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", action="store_true", help="run scripts/setup.sh --tests first")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    records = []
+    for name, cmd in steps(args.setup):
+        print(f"test_tiers: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        records.append(run_step(name, cmd))
+        print(f"test_tiers: {name}: rc {records[-1]['returncode']}, "
+              f"{records[-1]['wall_seconds']} s", file=sys.stderr, flush=True)
+        if name == "setup" and records[-1]["returncode"] != 0:
+            break
+    prov = provenance.collect({"steps": [n for n, _ in steps(args.setup)]})
+    provenance.validate(prov)
+    doc = {"suite": "test-tiers", "complete": len(records) == len(steps(args.setup)),
+           "description": "CI's steps (.ci/run) timed on this checkout, one run each",
+           "records": records, "total_wall_seconds": round(sum(r["wall_seconds"] for r in records), 1),
+           "provenance": prov}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = args.out / f"test-tiers-{stamp}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(f"test_tiers: wrote {path}", file=sys.stderr)
+    return 0 if all(r["returncode"] == 0 for r in records) and doc["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
