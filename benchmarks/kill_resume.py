@@ -167,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{point.spec:<28} {'offload' if point.offload else '':<8} kill exit "
               f"{rec['kill_exit']:>4}  resume exit {rec.get('resume_exit', '-')!s:>4}  "
               f"{rec['outcome']:<9} {rec.get('resume_message', '')[:90]}", flush=True)
-    counts = {o: sum(p["outcome"] == o for p in points) for o in ("identical", "refused", "finished", "FAILED")}
+    counts = {o: sum(p["outcome"] == o for p in points)
+              for o in ("identical", "refused", "finished", "FAILED")}
     settings = {"model": "synthetic smoke shapes (hidden 64)", "layers": opts.layers,
                 "calibration": CALIB, "kill_points": len(points)}
     result = {"suite": "kill-resume", "settings": settings, "outcomes": counts,
               "uninterrupted": {"seconds": base_seconds, "tensors": len(baseline),
-                                "digest": hashlib.sha256(json.dumps(baseline, sort_keys=True).encode()).hexdigest()},
+                                "digest": hashlib.sha256(json.dumps(baseline, sort_keys=True)
+                                                         .encode()).hexdigest()},
               "points": points,
               "provenance": provenance.collect(settings, {"source": src, "uninterrupted": base})}
     provenance.validate(result["provenance"])

@@ -57,7 +57,8 @@ def _scales_x1000(t: dict) -> None:
 
 
 def _permute_rows(t: dict) -> None:
-    perm = torch.randperm(t[f"{LAYER}mlp.gate_proj.qweight"].shape[1], generator=torch.Generator().manual_seed(0))
+    rows = t[f"{LAYER}mlp.gate_proj.qweight"].shape[1]
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
     for suffix in ("qweight", "scales"):  # symmetric: every zero is 8, qzeros need no change
         name = f"{LAYER}mlp.gate_proj.{suffix}"
         t[name] = t[name][:, perm].contiguous()

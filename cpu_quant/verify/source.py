@@ -8,12 +8,12 @@ the plain SNR against the source's weight, ``10 log10(sum W^2 / sum (W - W_hat)^
 unweighted: verify has no calibration Hessian, and the quantizer's own report already gives the
 Hessian-weighted figure.
 
-Threshold, :data:`MIN_SNR_DB` = 6 dB (``findings.SOURCE_MIN_SNR_DB``). A correct 4-bit artifact reads back at about 15-25 dB per
-module (group 128 on real models; ~20 dB on Gaussian weights), GPTQ a dB or two below
-round-to-nearest since it trades weight error for output error. A wrongly wired module is near
-or below 0 dB: two unrelated weights of the same scale give -3 dB (the error has twice the
-signal's energy), a transposed or permuted matrix the same, scales x1000 about -60 dB. 6 dB
-leaves a margin of ~9 dB on the correct side and ~6 dB on the wrong side.
+Threshold, :data:`MIN_SNR_DB` = 6 dB (``findings.SOURCE_MIN_SNR_DB``). A correct 4-bit artifact
+reads back at about 15-25 dB per module (16-20 dB on the tiny random test model at group 32),
+GPTQ a dB or two below round-to-nearest since it trades weight error for output error. A wrongly
+wired module is near or below 0 dB: two unrelated weights of the same scale give -3 dB (the
+error has twice the signal's energy), a transposed or permuted matrix the same, scales x1000
+about -60 dB. 6 dB leaves a margin of ~9 dB on the correct side and ~6 dB on the wrong side.
 
 A module below the threshold is an error, and its cause is named where it can be told: the
 weights of another source module of the same shape in the same layer (swapped), the transposed
