@@ -68,6 +68,8 @@ class RunConventions:
             import torch
 
             torch.set_num_threads(self.threads)
+        if self.quiet:  # -q: errors only; the one-line warnings go too
+            logging.getLogger("cpu_quant").setLevel(logging.ERROR)
         if self.verbose:
             logging.basicConfig(stream=sys.stderr, level=logging.INFO)
             logging.getLogger("cpu_quant").setLevel(logging.DEBUG)

@@ -118,10 +118,13 @@ def quantize_options(fn):
         click.option("--strict-group", is_flag=True,
                      help="Refuse modules that --group does not divide instead of using a smaller group."),
         click.option("--no-eval", is_flag=True, help="Skip the short fidelity check at the end."),
-        click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
+        click.option("--overwrite", is_flag=True,
+                     help="Replace DST when it is a cpu-quant artifact or an empty directory "
+                          "(swapped in atomically)."),
         click.option("--resume", is_flag=True,
                      help="Continue an interrupted or killed run from its last completed layer "
-                          "(same source, settings and calibration only)."),
+                          "(same source contents, settings and calibration only; Ctrl-C or "
+                          "SIGTERM stops a run at once and keeps its completed layers)."),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -95,11 +95,11 @@ def test_offloaded_run_equals_in_memory_run(tiny_llama, tmp_path):
         sorted(p.name for p in (tmp_path / "mem").iterdir())
 
 
-def test_ctrl_c_stops_at_a_layer_boundary_and_resumes(demo_src, tmp_path):
+def test_ctrl_c_during_the_layers_stops_and_resumes(demo_src, tmp_path):
     src = tmp_path / "deep"
     make_tiny_model("llama", src, demo_src)
     cfg = json.loads((src / "config.json").read_text())
-    # a deeper tiny model, so that there is a layer boundary to stop at
+    # a deeper tiny model, so that the signal arrives after a layer and before the end
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(src)
@@ -120,6 +120,57 @@ def test_ctrl_c_stops_at_a_layer_boundary_and_resumes(demo_src, tmp_path):
     assert not dst.exists() and (tmp_path / ".out.partial" / "cpu_quant_state.json").is_file()
     run_cli(*args, "--resume")
     assert (dst / "config.json").is_file()
+
+
+def _wait_until_stopped(proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Until ``proc`` has stopped itself (the SIGSTOP testing hook, signals.kill_point)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before the hook: {proc.stderr.read()[-2000:]}")
+        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(") ", 1)[1].startswith("T"):
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for the run to reach the hook")
+
+
+def test_sigterm_during_the_head_stops_within_seconds_and_resumes(demo_src, tmp_path):
+    # a 262144-row head on a 2-layer model: its quantization takes ~6 s, the layers well under 1 s
+    src = make_tiny_model("llama", tmp_path / "wide", demo_src, vocab=262144)
+    dst = tmp_path / "out"
+    args = ["gptq", str(src), str(dst), "--group", "32", "--samples", "2", "--seqlen", "32",
+            "--batch-size", "1", "--no-eval"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, CPU_QUANT_KILL_AT="head:1:SIGSTOP"))
+    _wait_until_stopped(proc)  # at the start of the head's quantization
+    os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(1.0)  # well inside the head
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    latency = time.monotonic() - t0
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "during the output head; layers 1-2 of 2 are saved" in line and "--resume" in line
+    assert latency < 5.0, f"{latency:.1f} s from SIGTERM to exit"  # one row block at most
+    assert not dst.exists()
+    state = json.loads((tmp_path / ".out.partial" / "cpu_quant_state.json").read_text())
+    assert state["completed_layers"] == 2
+    run_cli(*args, "--resume")
+    assert run_cli("verify", str(dst), check=False).returncode == 0
+
+
+def test_a_stop_before_the_first_layer_keeps_nothing(tiny_llama, tmp_path):
+    dst = tmp_path / "out"
+    proc = subprocess.Popen([*CLI, "gptq", str(tiny_llama), str(dst), "--group", "32",
+                             "--samples", "2", "--seqlen", "32", "--no-eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, CPU_QUANT_KILL_AT="calibration:1:SIGINT"))
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "nothing was saved" in err
+    assert not dst.exists() and not (tmp_path / ".out.partial").exists()
 
 
 def test_resume_without_a_partial_run(tiny_llama, tmp_path):

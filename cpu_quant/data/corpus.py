@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 from ..errors import CpuQuantError
+
+logger = logging.getLogger("cpu_quant.data")
 
 AUSTEN_DIR = Path(__file__).with_name("austen")
 NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice",
@@ -47,9 +50,24 @@ def builtin_split(split: str) -> list[str]:
     return [_split(_novel(name))[index] for name in NOVELS]
 
 
+def _text_problem(raw: bytes) -> str | None:
+    """Why bytes read as a .txt calibration file are probably not UTF-8 text, or None."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or (
+            len(raw) >= 16 and raw[1::2].count(0) > 0.4 * (len(raw) // 2)):
+        return "looks like UTF-16 text (convert it to UTF-8)"
+    bad = raw.count(0) + raw.decode("utf-8", errors="replace").count("\ufffd")
+    if raw and bad > 0.01 * len(raw):
+        return f"looks binary ({bad} NUL or non-UTF-8 bytes of {len(raw)})"
+    return None
+
+
 def _read_user_file(path: Path) -> list[str]:
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8", errors="replace")]
+        raw = path.read_bytes()
+        why = _text_problem(raw)
+        if why:
+            logger.warning(f"warning: calibration file {path} {why}; using it as decoded")
+        return [raw.decode("utf-8", errors="replace")]
     if path.suffix == ".jsonl":
         texts = []
         try:
@@ -110,4 +128,10 @@ def token_windows(tokenizer, texts: list[str], n_samples: int, seqlen: int) -> l
         starts = [0]
     else:
         starts = [round(i * span / (n_samples - 1)) for i in range(n_samples)]
-    return [ids[s:s + seqlen] for s in starts]
+    windows = [ids[s:s + seqlen] for s in starts]
+    distinct = len({tuple(w) for w in windows})
+    if distinct < len(windows):
+        logger.warning(f"warning: {len(windows) - distinct} of {len(windows)} calibration windows "
+                       f"repeat another window's tokens ({len(ids)} tokens of text for --samples "
+                       f"{n_samples} x --seqlen {seqlen}); give more text or fewer samples")
+    return windows

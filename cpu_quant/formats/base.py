@@ -153,6 +153,11 @@ class Format:
         """A summary (JSON-able; one printed line per key) of an artifact this format owns."""
         raise NotImplementedError
 
+    def dequantized_modules(self, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every quantized linear of an artifact this format owns, by its source module name,
+        dequantized to float32 ``[N, K]`` (``verify --source``)."""
+        raise CpuQuantError(f"verify --source cannot read {self.name} artifacts")
+
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written in this format, or None
         (checked before any work)."""

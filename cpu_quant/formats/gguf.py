@@ -760,6 +760,10 @@ class GGUFFormat(Format, name="gguf"):
     def inspect_artifact(self, path: Path) -> dict:
         return inspect(gguf_file_in(Path(path)))
 
+    def dequantized_modules(self, path: Path):
+        for module, gq in unpack(gguf_file_in(Path(path))).items():
+            yield module, gq.dequantize()
+
     pack = staticmethod(pack_q4_0)
     unpack_blocks = staticmethod(unpack_q4_0)
     unpack = staticmethod(unpack)

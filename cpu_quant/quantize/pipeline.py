@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError, Interrupted
+from ..errors import CpuQuantError
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
 from ..io.artifact import StagedOutput, check_destination
@@ -56,7 +56,7 @@ from .resume import (
 from .schedule import QuantJob, quantize_linears
 from .sequential import BatchStore, probe, run_true_sequential, signature
 from .settings import QuantReport, QuantSettings, TensorReport
-from .signals import StopRequest
+from .signals import StopRequest, kill_point
 from .streaming import LayerStream
 
 CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offloaded runs)
@@ -214,6 +214,7 @@ class LayerQuantizer:
                         acc_h += gram(x)
                         rows += x.shape[0]
                 hess = 2.0 * acc_h / rows
+            kill_point("head")
             [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings, self.grid)
             self.state.tensors.append(asdict(trep))
             self.state.account(gq, self.sinks.add_module(HEAD_NAME, gq))
@@ -261,8 +262,21 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     fingerprint = run_fingerprint(ckpt, settings, layout, batches)
 
     staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src])
-    with staged as out, StopRequest() as stop, ResumePoint() as resume_point:
+    where = {"phase": "the calibration pass", "saved": 0}
+
+    def interrupted() -> str:
+        """The stop message; the staging directory is kept when it holds a resume point."""
+        n, saved = stream.n_layers, where["saved"]
+        if not saved and not resume:
+            return f"interrupted during {where['phase']}; no layer was finished, nothing was saved"
+        staged.keep_on_exit = True
+        layers = f"layers 1-{saved} of {n} are" if saved != 1 else f"layer 1 of {n} is"
+        return (f"interrupted during {where['phase']}; {layers} saved in {staged.staging}: run "
+                "the same command with --resume to continue")
+
+    with staged as out, StopRequest(interrupted) as stop, ResumePoint() as resume_point:
         state = load_state(out, fingerprint) if resume else RunState(fingerprint)
+        where["saved"] = state.completed_layers
         offload = settings.offload_activations
         if not batches:
             hidden = []
@@ -275,6 +289,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                                     if offload else [])
         if isinstance(hidden, list):  # in memory: one slab, each layer's outputs written over it
             hidden = one_slab(hidden)
+        kill_point("calibration")
         sinks = SinkSet(formats, out.staging, stream.n_layers, state.sinks)
 
         def new_store(name: str, rows: list[int] | None) -> BatchStore:
@@ -288,8 +303,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             if i < state.completed_layers:
                 continue
             t0 = time.perf_counter()
+            where["phase"] = f"layer {i + 1} of {stream.n_layers}"
+            kill_point("layer-start")
             stream.load_layer(i)
             outputs = quantizer.layer(i, layer_plans, hidden)
+            kill_point("layer-computed")
             previous = hidden
             if outputs is not None:
                 resume_point.wait()  # the resume point being written reads this slab
@@ -307,19 +325,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                                                      snapshot))
             else:
                 out.write_json(STATE_FILE, snapshot)
+            where["saved"] = i + 1  # on disk once the write above ends (joined on any exit)
+            kill_point("layer-end")
             if offload and previous:
                 previous.drop()  # the state now points at the next generation
             del previous
             if on_layer is not None:
                 on_layer(i, stream.n_layers)
-            if stop.requested and i + 1 < stream.n_layers:
-                resume_point.wait()
-                out.keep_on_exit = True
-                raise Interrupted(f"interrupted after layer {i + 1} of {stream.n_layers}; run the "
-                                  "same command with --resume to continue")
 
         # -- the outer tensors and the head --------------------------------------------------
         t0 = time.perf_counter()
+        where["phase"] = "the output head"
         head_plan = quantizer.outer(hidden)
         sinks.end_layer(stream.n_layers)
         report.head_quantized = head_plan.quantize
@@ -337,6 +353,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         report.true_sequential_layers = state.true_sequential_layers
         report.phase_seconds = state.phase_seconds
         resume_point.wait()
+        stop.defer()  # the artifact is computed: writing it takes seconds, finish it
+        kill_point("final-write")
         out.path(STATE_FILE).unlink(missing_ok=True)
         remove_hidden_files(out)
         shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
@@ -344,6 +362,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                                   dynamic, settings.symmetric,
                                   _quantization_extra(settings, report.provenance["cpu_quant"]),
                                   asdict(report)))
+        kill_point("commit")
         final = out.commit()
     ckpt.close()
     report.provenance["output"] = str(final)

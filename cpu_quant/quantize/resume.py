@@ -30,6 +30,7 @@ from ..io.safetensors_writer import write_safetensors
 from .activations import ACTIVATIONS_DIR, DiskActivations
 from .grid import GroupQuant
 from .settings import QuantSettings
+from .signals import kill_point
 from .streaming import compute_dtype
 
 STATE_FILE = "cpu_quant_state.json"
@@ -95,7 +96,9 @@ def write_resume_point(out: StagedOutput, hidden: dict[int, torch.Tensor], state
     write_safetensors(out.path(name), {f"batch.{b}": h for b, h in hidden.items()},
                       metadata={"format": "pt", "completed_layers": str(layer),
                                 "fingerprint": fingerprint_digest(state["fingerprint"])})
+    kill_point("resume-activations")
     out.write_json(STATE_FILE, state)
+    kill_point("resume-state")
     for old in out.staging.glob(f"{HIDDEN_PREFIX}*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)

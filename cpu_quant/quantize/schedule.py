@@ -121,8 +121,11 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
         if workers == 1:
             results = dict(map(run, order))
         else:
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-quant") as pool:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cpu-quant")
+            try:
                 results = dict(pool.map(run, order))
+            finally:  # a stop (Ctrl-C) drops the blocks not yet started
+                pool.shutdown(wait=True, cancel_futures=True)
     out: dict[int, tuple[GroupQuant, TensorReport]] = {}
     for s, (members, lead, w) in enumerate(stacked):
         blocks = [results[(s, r0)] for r0 in range(0, w.shape[0], ROW_BLOCK)]

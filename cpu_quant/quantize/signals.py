@@ -1,16 +1,32 @@
-"""SIGINT and SIGTERM during a run: a flag the layer loop reads at the next layer boundary."""
+"""SIGINT and SIGTERM during a run, and the testing hook that kills a run at a named event.
+
+While a run computes (calibration, the layers, the output head) the first SIGINT or SIGTERM
+raises :class:`~cpu_quant.errors.Interrupted` at once, wherever the main thread is: the resume
+point on disk only ever advances by whole layers (the state file is written after the layer's
+shards and activations, each by rename), so stopping mid-layer loses at most that layer's
+work, like a ``kill -9``, and the message says which layers are saved. While the finished
+artifact is written (seconds) a signal is only noted, so a complete artifact is not thrown
+away. A second Ctrl-C falls back to Python's default (``KeyboardInterrupt``).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from collections.abc import Callable
+
+from ..errors import Interrupted
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the layer loop stops at the next layer boundary."""
+    """SIGINT/SIGTERM raise :class:`Interrupted` with ``describe()``'s message, except inside
+    :meth:`deferred`, where they only set ``requested``."""
 
-    def __init__(self) -> None:
+    def __init__(self, describe: Callable[[], str] = lambda: "interrupted") -> None:
         self.requested = False
+        self.describe = describe
+        self._deferred = False
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequest:
@@ -20,10 +36,46 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
+        first = not self.requested
         self.requested = True
         # a second Ctrl-C interrupts at once
         signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+        if first and not self._deferred:
+            raise Interrupted(self.describe())
+
+    def defer(self) -> None:
+        """From now on a signal only sets ``requested`` (the finished artifact is being written)."""
+        self._deferred = True
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+# -- the testing hook ------------------------------------------------------------------------
+KILL_AT_ENV = "CPU_QUANT_KILL_AT"
+_counts: dict[str, int] = {}
+
+
+def kill_point(event: str) -> None:
+    """Testing hook, inert unless ``CPU_QUANT_KILL_AT=EVENT:N[:SIGNAL]`` is set: at the Nth
+    time the run reaches ``event`` it sends itself SIGNAL (default SIGKILL; SIGSTOP lets a test
+    time a signal of its own). Used by ``benchmarks/kill_resume.py`` and the signal tests to
+    stop a run at a chosen point instead of after a guessed delay. Events: ``calibration``
+    (the calibration activations captured), ``layer-start``, ``layer-computed`` (a layer
+    quantized, before its outputs replace the activations), ``layer-end`` (its state handed
+    to the resume point), ``resume-activations`` (inside the in-memory resume point's write:
+    activations renamed into place, state not yet written), ``resume-state`` (state written,
+    previous activations not yet deleted), ``head`` (before the output head's quantization),
+    ``final-write`` (before the artifact's files are written) and ``commit`` (before the
+    staging directory is renamed to the output)."""
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != event:
+        return
+    _counts[event] = _counts.get(event, 0) + 1
+    if _counts[event] == int(parts[1]):
+        sig = getattr(signal, parts[2]) if len(parts) > 2 else signal.SIGKILL
+        os.kill(os.getpid(), sig)

@@ -64,6 +64,7 @@ class VerifyReport:
     zero_convention: str | None = None  # v1 | v2 | mixed | asymmetric | None (not GPTQ)
     quantized_modules: int = 0
     findings: list[Finding] = field(default_factory=list)
+    source: dict | None = None  # verify --source: the comparison's summary (source.py)
 
     @property
     def errors(self) -> list[Finding]:
@@ -89,6 +90,7 @@ class VerifyReport:
             "errors": len(self.errors),
             "warnings": len(self.warnings),
             "findings": [asdict(f) for f in self.findings],
+            **({"source": self.source} if self.source is not None else {}),
         }
 
 

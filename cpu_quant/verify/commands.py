@@ -14,14 +14,14 @@ codes; text mode prints one line per finding, then a summary line.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
-from ..cli_conventions import json_option
+from ..cli_conventions import json_option, json_text
 from ..cli_support import friendly_errors
+from .findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -30,24 +30,39 @@ _one_line_errors = friendly_errors
 
 
 def _emit_json(doc: dict) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=False))
+    click.echo(json_text(doc))
 
 
 @click.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--source", "source", type=click.Path(path_type=Path), default=None,
+              help="The bf16 model the artifact was made from: read every quantized module "
+                   "back and compare it with the source weight (SNR per module); a module "
+                   f"below {MIN_SNR_DB:g} dB (swapped, transposed, permuted, wrong scales) is "
+                   "an error.")
 @json_option
 @_one_line_errors
-def verify(directory: Path, as_json: bool) -> None:
+def verify(directory: Path, source: Path | None, as_json: bool) -> None:
     """Check an artifact (a GPTQ or cpu_int4 checkpoint directory, a GGUF file) at DIRECTORY;
     exit 1 when anything is wrong."""
     from .checks import verify_checkpoint
+    from .source import compare_with_source
 
     report = verify_checkpoint(directory)
+    if source is not None:
+        findings, report.source = compare_with_source(directory, source)
+        report.findings.extend(findings)
     if as_json:
         _emit_json(report.to_json())
     else:
         for finding in sorted(report.findings, key=lambda f: SEVERITY_ORDER[f.severity]):
             click.echo(finding.line())
+        if report.source is not None:
+            s = report.source
+            click.echo(f"source: {s['modules']} modules against {s['source']}, SNR min "
+                       f"{s['min_db']} dB, median {s['median_db']} dB; worst:")
+            for row in s["worst"]:
+                click.echo(f"  {row['snr_db']:>7.2f} dB  {row['module']}")
         conv = f", {report.zero_convention} zeros" if report.zero_convention else ""
         fmt = report.format or "unknown format"
         click.echo(f"verify: {len(report.errors)} error(s), {len(report.warnings)} warning(s) "

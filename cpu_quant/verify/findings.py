@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SEVERITIES = ("error", "warning", "info")
+# verify --source: a module read back below this SNR against its source weight is an error
+# (why 6 dB: cpu_quant/verify/source.py); here so the CLI's help names it without importing torch
+SOURCE_MIN_SNR_DB = 6.0
 
 
 @dataclass(frozen=True)
