@@ -188,3 +188,13 @@ def test_phone_suite_smoke(tmp_path_factory):
         assert ex["verification"]["pte_vs_quantized"]["top1_agreement"] >= 0.9
         digest = result["provenance"]["artifacts"][f"{rec['arm']}/pass-0/model.pte"]
         assert digest["bytes"] == rec["metrics"]["pte_bytes"]
+
+
+def test_eval_suite_smoke(tmp_path_factory):
+    result = _run_smoke("eval", tmp_path_factory.mktemp("bench-eval"))
+    assert result["suite"] == "eval" and result["baseline"] == "eval-default"
+    provenance.validate(result["provenance"])
+    assert result["failed_passes"] == 0 and result["builds"]["eval-default"]["exit_status"] == 0
+    (record,) = result["records"]
+    assert record["ok"] and record["metrics"]["wall_seconds"] > 0
+    assert record["metrics"]["cpu_seconds"] > 0
