@@ -119,6 +119,7 @@ def test_strict_group_refuses_non_dividing_group(tmp_path, tiny_llama):
     _assert_clean_failure(proc, dst, "--strict-group")
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_jsonl_calibration_and_directory(tmp_path, tiny_llama):
     from cpu_quant.data.corpus import builtin_split
 

@@ -58,6 +58,7 @@ def _stdout_json(stdout: str) -> dict:
     return json.loads(stdout)  # the whole of stdout, nothing before or after the document
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_gptq_from_a_hub_id_json_threads_card_and_report(tiny_llama, tmp_path):
     """One real `cpu-quant gptq` process: SRC a cached Hub id, --json, --threads 1 (reaching the
     quantizer: its provenance reads torch.get_num_threads()), default DST name, model card with

@@ -201,6 +201,7 @@ def test_saved_qnn_program_retraces_for_the_qnn_lowering(qnn_w8a16) -> None:
     assert count == sum("quantize_per_tensor" in str(n.target) for n in program.graph.nodes) > 0
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_calibration_improves_w8a16_against_float(peaked_llama: Path) -> None:
     """Library level (no lowering): observers fed real text beat observers fed the trace input."""
     from transformers import AutoTokenizer
@@ -240,6 +241,7 @@ def test_weight_only_probe_really_runs_and_detects_the_bug() -> None:
             xnnpack.check_scheme("8w")
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_verification_fails_the_command_on_a_broken_program(peaked_llama: Path, tmp_path: Path,
                                                             monkeypatch) -> None:
     """Pretend the probe passed: the full weight-only export must then fail verification,
@@ -268,6 +270,7 @@ def test_cli_refuses_weight_only_xnnpack(peaked_llama: Path, tmp_path: Path) -> 
     assert "Traceback" not in result.output and not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_corrupted_scale_fails_the_command_and_leaves_nothing(peaked_llama: Path, tmp_path: Path,
                                                              monkeypatch) -> None:
     """Corrupt one weight scale in the program that gets lowered (the head's scale for " the",

@@ -79,6 +79,7 @@ def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path)
     assert not staging.exists() and not (dst / "activations").exists()
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_offloaded_run_equals_in_memory_run(tiny_llama, tmp_path):
     common = ["--group", "32", "--samples", "6", "--seqlen", "64", "--batch-size", "2", "--no-eval"]
     run_cli("gptq", str(tiny_llama), str(tmp_path / "mem"), *common)
@@ -95,6 +96,7 @@ def test_offloaded_run_equals_in_memory_run(tiny_llama, tmp_path):
         sorted(p.name for p in (tmp_path / "mem").iterdir())
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_ctrl_c_during_the_layers_stops_and_resumes(demo_src, tmp_path):
     src = tmp_path / "deep"
     make_tiny_model("llama", src, demo_src)
@@ -134,6 +136,7 @@ def _wait_until_stopped(proc: subprocess.Popen, timeout: float = 600) -> None:
     raise AssertionError("timed out waiting for the run to reach the hook")
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_sigterm_during_the_head_stops_within_seconds_and_resumes(demo_src, tmp_path):
     # a 262144-row head on a 2-layer model: its quantization takes ~6 s, the layers well under 1 s
     src = make_tiny_model("llama", tmp_path / "wide", demo_src, vocab=262144)
@@ -180,6 +183,7 @@ def test_resume_without_a_partial_run(tiny_llama, tmp_path):
     assert not dst.exists()
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_live_lock_blocks_a_second_writer(tiny_llama, tmp_path):
     dst = tmp_path / "out"
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -167,6 +167,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_resume_refuses_another_model_of_the_same_shapes(demo_src, tiny_llama, tmp_path):
     from .conftest import make_tiny_model
 
@@ -194,6 +195,7 @@ def test_content_digest_sees_a_changed_tensor_of_the_same_shape(tiny_llama, tmp_
     assert open_checkpoint(src).content_digest() != first
 
 
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_resume_after_a_kill_between_the_activations_and_the_state(tiny_llama, tmp_path):
     """The activations of layer 2 are in place, the state still says layer 1 (a kill between
     the two writes): the resume uses layer 1's activations, kept until the state moved on, and
@@ -221,6 +223,7 @@ def test_resume_after_a_kill_between_the_activations_and_the_state(tiny_llama, t
 
 
 @pytest.mark.parametrize("stamp", [{"completed_layers": "2"}, {"fingerprint": "0" * 64}, {}])
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_resume_refuses_activations_of_another_layer_or_run(tiny_llama, tmp_path, stamp):
     from safetensors import safe_open
 

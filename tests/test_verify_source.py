@@ -80,6 +80,7 @@ def test_a_correct_artifact_passes(artifact, tiny_llama):
     ("scales", "mlp.up_proj", "wrong scales"),
     ("permute", "mlp.gate_proj", "matches no source weight"),
 ])
+@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_a_broken_artifact_fails_naming_the_module(artifact, tiny_llama, tmp_path, fault, module,
                                                    needle):
     q = Path(shutil.copytree(artifact, tmp_path / "q"))
