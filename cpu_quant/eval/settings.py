@@ -1,12 +1,9 @@
 """What an evaluation scores (:class:`EvalSettings`): the default, the full and the quick setting.
 
-The default (``DEFAULT_EVAL``) is sized for about 2 minutes on the demo model (SmolLM2-135M,
-float32) on 2 idle cores. Measured on 2 shared cores under a load average of 12, so in CPU
-seconds of one thread rather than wall time: 4 windows and 4 prompts took 39 CPU-seconds
-(``eval-saved-reference-20261202T143002Z.json``), one 512-token forward 1.8 s and one greedy
-step for 12 prompts 0.3 s, which puts the default near 190 CPU-seconds of one thread.
-``--full`` (``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (about 12
-CPU-minutes). The quick check that ``cpu-quant gptq`` runs at the end is
+The default (``DEFAULT_EVAL``) takes about 2 minutes on the demo model (SmolLM2-135M) on 2
+idle cores: 98 s wall and 183 CPU-seconds, the median of 3 passes of the whole command with the
+bf16 reference run afresh (the ``eval`` benchmark suite, ``eval-20261202T211940Z.json``).
+``--full`` (``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (not measured; by its size, about 4× the default's work). The quick check that ``cpu-quant gptq`` runs at the end is
 ``EvalSettings.quick()``.
 """
 
