@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import harness, provenance
 from benchmarks.harness import (
@@ -296,3 +297,22 @@ def test_test_tiers_reads_pytests_closing_line(line, counts, seconds):
     got = pytest_summary(f"tests/test_x.py ....\nslowest durations\n{line}\n")
     assert got == {"counts": counts, "pytest_seconds": seconds}
     assert pytest_summary("no summary here\n") is None
+
+
+def test_bit_identity_compares_every_tensor_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    from benchmarks.bit_identity import compare, main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    t = {"x": torch.arange(6, dtype=torch.int32).reshape(2, 3), "y": torch.ones(4, dtype=torch.bfloat16)}
+    save_file(t, str(a / "one.safetensors"))
+    save_file({"x": t["x"]}, str(b / "p1.safetensors"))  # other sharding, same tensors
+    save_file({"y": t["y"]}, str(b / "p2.safetensors"))
+    assert compare(a, b)["identical"]
+    save_file({"y": t["y"].view(torch.int16).to(torch.float32)}, str(b / "p2.safetensors"))
+    got = compare(a, b)
+    assert not got["identical"] and got["differing"] == ["y"]
+    assert main([str(a), str(tmp_path / "missing"), "--label", "t", "--out", str(tmp_path)]) == 2
