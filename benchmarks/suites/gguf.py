@@ -13,9 +13,9 @@ Three parts, each its own harness run and result file (``gguf-<part>-<UTC time>.
 ``decode``    decode and prefill tokens/s of our Q4_0 file against llama.cpp's own Q4_0 (the
               runtime suite's measurement, ``benchmarks/peers/llama_cpp_pass.py``).
 ``formats``   wall time of one ``cpu-quant gptq`` run writing three formats
-              (``--format gptq,cpu_int4,gguf``) against one writing ``gptq`` alone, on a
-              reduced calibration (``FORMATS_CALIB``): the formats' cost is fixed, so a smaller
-              calibration makes the ratio a stricter test, not a looser one.
+              (``--format gptq,cpu_int4,gguf``) against one writing ``gptq`` alone, as the
+              main job runs by default (``FORMATS_CALIB``: 128 x 512 calibration, group 128,
+              head quantized).
 
 Fidelity arms (baseline ``llama.cpp-q4_0-imatrix``, so ``kl_mean``'s ratio is ours / theirs):
 
@@ -87,7 +87,8 @@ EVAL_SMOKE = {"windows": 3, "seqlen": 64}
 # pass p scores the windows i with i % SLICES == p % SLICES: 3 passes score half of the 24
 # windows (3072 positions); on the shared machine one bf16 evaluation of all 24 took 20 min
 SLICES = 6
-FORMATS_CALIB = {"samples": 4, "seqlen": 256, "group": 32, "batch_size": 4, "calib": "austen"}
+# the main job's defaults (cpu-quant gptq with no options): the run a user times
+FORMATS_CALIB = {"samples": 128, "seqlen": 512, "group": 128, "batch_size": 8, "calib": "austen"}
 # reduced for the shared machine: one pass of 64 decode tokens + 256-token prefills took
 # over 13 min there (load ~15 on 2 cores)
 DECODE = {"decode_tokens": 32, "prompt_len": 64}
@@ -509,7 +510,7 @@ def _formats_suite(c: _Context) -> Suite:
     calib = dict(CALIB_SMOKE if c.opts.smoke else FORMATS_CALIB)
 
     def formats_arm(name: str, formats: str) -> Arm:
-        flags = ["--format", formats, "--no-lm-head"]
+        flags = ["--format", formats]
 
         def command(ctx: PassContext) -> Command:
             return Command(q.cpu_quant_gptq_argv(c.src, ctx.workdir / "artifact", calib, flags),
@@ -529,7 +530,8 @@ def _formats_suite(c: _Context) -> Suite:
     return Suite(
         name="gguf-formats",
         description="wall time of one cpu-quant run writing gptq,cpu_int4,gguf vs gptq alone "
-                    f"(reduced calibration {calib['samples']} x {calib['seqlen']})",
+                    f"(calibration {calib['samples']} x {calib['seqlen']}, group "
+                    f"{calib['group']}, head quantized)",
         metrics=[WALL_SECONDS, CPU_SECONDS],
         arms=[formats_arm("formats-gptq", "gptq"),
               formats_arm("formats-gptq+cpu_int4+gguf", "gptq,cpu_int4,gguf")],
