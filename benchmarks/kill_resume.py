@@ -16,7 +16,13 @@ Each point's outcome is one of:
 * ``refused``: the resume exited non-zero with exactly one ``error:`` line and no traceback;
 * ``finished``: the signal came while the finished artifact was being written, the run completed
   (exit 0) and its tensors are identical;
-* ``FAILED``: anything else (a traceback, different tensors, a kill that did not happen).
+* ``FAILED``: anything else (a traceback, different tensors, a kill that did not happen, a
+  SIGINT or SIGTERM that took more than ``STOP_LIMIT_S`` to stop the run, or whose message names
+  other layers than the resume point on disk holds).
+
+For SIGINT and SIGTERM the hook stamps the time it sends the signal
+(``CPU_QUANT_KILL_STAMP``); ``stop_seconds`` is the time from it to the run's exit, and
+``saved_layers`` the completed layers of the resume point the run left.
 
 The result (``benchmarks/results/kill-resume-<UTC>.json``, with provenance) lists every point
 with its exit codes, the resume's message and the outcome; the command exits 1 when any point
@@ -42,6 +48,7 @@ from .suites.memory import synthetic_model
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
 CALIB = ["--group", "32", "--samples", "4", "--seqlen", "64", "--batch-size", "2", "--no-eval"]
+STOP_LIMIT_S = 5.0  # "stops within a few seconds at any phase"
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,11 @@ def kill_points(layers: int) -> list[KillPoint]:
         KillPoint("head", 1, "SIGINT"),
         KillPoint("head", 1, "SIGTERM"),
         KillPoint("final-write", 1, "SIGINT"),
+        KillPoint("calibration", 1, "SIGTERM"),
+        KillPoint("layer-end", 1, "SIGINT"),
+        KillPoint("layer-start", last, "SIGTERM"),
+        KillPoint("resume-state", mid, "SIGINT"),
+        KillPoint("resume-activations", mid, "SIGTERM"),
     ]
 
 
@@ -109,15 +121,43 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
 
 
+def _saved_layers(staging: Path) -> int:
+    """The completed layers of the resume point in ``staging`` (0: none)."""
+    try:
+        return int(json.loads((staging / "cpu_quant_state.json").read_text())["completed_layers"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _message_names(message: str, saved: int) -> bool:
+    """Does a stop message say what the resume point holds?"""
+    if saved == 0:
+        return "nothing was saved" in message
+    return (f"layers 1-{saved} of" in message if saved > 1 else "layer 1 of" in message) \
+        and "--resume" in message
+
+
 def run_point(point: KillPoint, src: Path, work: Path, baseline: dict[str, str]) -> dict:
     dst = work / f"kp-{point.event}-{point.n}-{point.signal}{'-offload' if point.offload else ''}"
     args = ["gptq", str(src), str(dst), *CALIB]
+    stamp = work / f".{dst.name}.stamp"
+    stamp.unlink(missing_ok=True)
     t0 = time.monotonic()
     first = _run(args + (["--offload-activations"] if point.offload else []),
-                 {"CPU_QUANT_KILL_AT": point.spec})
+                 {"CPU_QUANT_KILL_AT": point.spec, "CPU_QUANT_KILL_STAMP": str(stamp)})
+    ended = time.time()
     rec = {**asdict(point), "kill_exit": first.returncode,
            "kill_message": (_error_lines(first.stderr) or [""])[-1],
            "kill_traceback": "Traceback" in first.stderr}
+    if point.signal != "SIGKILL" and first.returncode != 0:
+        saved = _saved_layers(dst.parent / f".{dst.name}.partial")
+        stop = round(ended - float(stamp.read_text()), 2) if stamp.is_file() else None
+        rec.update(stop_seconds=stop, saved_layers=saved,
+                   message_names_saved=_message_names(rec["kill_message"], saved))
+        if stop is None or stop > STOP_LIMIT_S or not rec["message_names_saved"]:
+            rec.update(outcome="FAILED", seconds=round(time.monotonic() - t0, 1))
+            return rec
+    stamp.unlink(missing_ok=True)
     if first.returncode == 0:  # the signal arrived while the artifact was being written
         same = dst.is_dir() and tensor_digests(dst) == baseline
         rec.update(outcome="finished" if same and point.signal != "SIGKILL" else "FAILED",
@@ -170,8 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     counts = {o: sum(p["outcome"] == o for p in points)
               for o in ("identical", "refused", "finished", "FAILED")}
     settings = {"model": "synthetic smoke shapes (hidden 64)", "layers": opts.layers,
-                "calibration": CALIB, "kill_points": len(points)}
+                "calibration": CALIB, "kill_points": len(points), "stop_limit_s": STOP_LIMIT_S}
+    stops = sorted(p["stop_seconds"] for p in points if p.get("stop_seconds") is not None)
     result = {"suite": "kill-resume", "settings": settings, "outcomes": counts,
+              "stop_seconds": {"n": len(stops), "median": stops[len(stops) // 2] if stops else None,
+                               "max": stops[-1] if stops else None},
               "uninterrupted": {"seconds": base_seconds, "tensors": len(baseline),
                                 "digest": hashlib.sha256(json.dumps(baseline, sort_keys=True)
                                                          .encode()).hexdigest()},

@@ -1,5 +1,6 @@
-"""Phone-CPU programs on this CPU: .pte size, export time and tokens/s through ExecuTorch's
-Python runtime, for XNNPACK fp32 vs 8da8w vs 8da4w.
+"""Phone programs on this CPU: .pte size, export time and tokens/s through ExecuTorch's
+Python runtime, for XNNPACK fp32 vs 8da8w vs 8da4w, and QNN's w8a16 and 16a4w programs on
+ExecuTorch's portable kernels (without the Qualcomm SDK: not the HTP).
 
     python -m benchmarks.phone_bench [--src CKPT] [--passes 3] [--smoke] [--arms A,B]
                                      [--max-seq-len 128] [--prefill-len 64] [--prompt-tokens 64]
@@ -13,7 +14,7 @@ provenance), with the export and runtime sizes as flags. This module also holds 
 subprocess steps the suite runs:
 
 ``--export OUT --scheme S``   one export with ``cpu_quant.export.pipeline.export_phone``
-                              (XNNPACK, verification included) into OUT: the arm's one-off build,
+                              (the scheme's backend, verification included) into OUT: the arm's one-off build,
                               whose wall time and peak RssAnon the harness records
 ``--measure PTE --record F``  one pass: load the program, prefill a fixed held-out prompt
                               through ``prefill`` and greedily decode ``--gen-tokens`` tokens
@@ -32,8 +33,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("fp32", "8da8w", "8da4w")
+ARMS = ("fp32", "8da8w", "8da4w", "w8a16", "16a4w")
 BASELINE = "fp32"
+BACKEND = {"fp32": "xnnpack", "8da8w": "xnnpack", "8da4w": "xnnpack", "w8a16": "qnn",
+           "16a4w": "qnn"}
 
 
 def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tokens: int,
@@ -72,13 +75,15 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
 
 
 def export(src: Path, out: Path, scheme: str, max_seq_len: int, prefill_len: int,
-           verify_windows: int) -> dict:
-    """One XNNPACK export of ``src`` into ``out`` (replaced), verification included."""
+           verify_windows: int, gptq: dict | None = None) -> dict:
+    """One export of ``src`` into ``out`` (replaced), verification included; ``gptq``: the
+    GPTQ run's calibration (``gptq_samples``, ``gptq_seqlen``) for the 4-bit schemes."""
     from cpu_quant.export.pipeline import PhoneExportSettings, export_phone
 
-    settings = PhoneExportSettings(backend="xnnpack", scheme=scheme, max_seq_len=max_seq_len,
+    settings = PhoneExportSettings(backend=BACKEND[scheme], scheme=scheme,
+                                   max_seq_len=max_seq_len,
                                    prefill_len=min(prefill_len, max_seq_len),
-                                   verify_windows=verify_windows)
+                                   verify_windows=verify_windows, **(gptq or {}))
     return export_phone(src, out, settings, overwrite=True, progress=False)
 
 
@@ -104,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-windows", type=int, default=None,
                     help="held-out windows the export's own verification scores (default "
                          f"{real['verify_windows']}; fewer only shortens the verify stage)")
+    ap.add_argument("--gptq-samples", type=int, default=None,
+                    help="calibration windows of the 4-bit schemes' GPTQ run (default "
+                         f"{real['gptq_samples']})")
+    ap.add_argument("--gptq-seqlen", type=int, default=None,
+                    help=f"tokens per GPTQ calibration window (default {real['gptq_seqlen']})")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--export", default=None, help=argparse.SUPPRESS)
@@ -120,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.scheme is None:
                 ap.error("--export needs --scheme")
             export(Path(args.src), Path(args.export), args.scheme, s["max_seq_len"],
-                   s["prefill_len"], s["verify_windows"])
+                   s["prefill_len"], s["verify_windows"],
+                   {"gptq_samples": s["gptq_samples"], "gptq_seqlen": s["gptq_seqlen"]})
             return 0
         rec = measure(Path(args.measure), Path(args.src), s["max_seq_len"], s["prefill_len"],
                       s["prompt_tokens"], s["gen_tokens"])

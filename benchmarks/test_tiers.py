@@ -1,12 +1,12 @@
 """How long CI's steps take: the setup, the unit tier and the end-to-end tier, one run each.
 
-    python -m benchmarks.test_tiers [--setup] [--out DIR]
+    python -m benchmarks.test_tiers [--setup] [--only unit|e2e] [--out DIR]
 
 Runs, from the repository root, the commands of ``.ci/run`` in its order: with ``--setup``,
 ``scripts/setup.sh --tests`` first (on a clean clone this is the install CI does); then
-``pytest -q -ra`` (the unit tier) and ``pytest -q -ra -m e2e`` (the end-to-end tier), each
-with the venv's Python. For each step it records the wall time, the exit status, pytest's
-closing line (passed / skipped / failed counts and pytest's own time), the load average
+its pytest lines (the unit tier, then the end-to-end tier ``-m e2e``), each with the venv's
+Python, exactly as ``.ci/run`` states them. For each step it records the wall time, the exit
+status, pytest's closing line (passed / skipped / failed counts and pytest's own time), the load average
 before and after, and the tail of its output; the result carries the benchmark provenance (git
 SHA and cleanliness, CPU model and flags, package versions). Result file:
 ``<out>/test-tiers-<UTC time>.json``, written atomically once every step has run; the run
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -36,10 +37,19 @@ SUMMARY_RE = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d
 
 
 def steps(with_setup: bool) -> list[tuple[str, list[str]]]:
-    py = str(REPO / ".venv" / "bin" / "python")
-    out = [("setup", ["./scripts/setup.sh", "--tests"])] if with_setup else []
-    return out + [("unit", [py, "-m", "pytest", "-q", "-ra"]),
-                  ("e2e", [py, "-m", "pytest", "-q", "-ra", "-m", "e2e"])]
+    """The commands of ``.ci/run``, in its order, as (name, argv): the setup (only
+    ``with_setup``), then each pytest line, named ``e2e`` when it selects ``-m e2e`` and
+    ``unit`` otherwise."""
+    out = []
+    for line in (REPO / ".ci" / "run").read_text().splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv[:1] == ["./scripts/setup.sh"] and with_setup:
+            out.append(("setup", argv))
+        elif argv[:3] == [".venv/bin/python", "-m", "pytest"]:
+            marks = [argv[i + 1] for i in range(3, len(argv) - 1) if argv[i] == "-m"]
+            name = "e2e" if "e2e" in marks else "unit"
+            out.append((name, [str(REPO / argv[0]), *argv[1:]]))
+    return out
 
 
 def pytest_summary(output: str) -> dict | None:
@@ -73,19 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.test_tiers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="store_true", help="run scripts/setup.sh --tests first")
+    ap.add_argument("--only", choices=("unit", "e2e"), default=None,
+                    help="time this tier alone (the result says which steps ran)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    chosen = [(n, c) for n, c in steps(args.setup) if args.only in (None, n) or n == "setup"]
     records = []
-    for name, cmd in steps(args.setup):
+    for name, cmd in chosen:
         print(f"test_tiers: {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         records.append(run_step(name, cmd))
         print(f"test_tiers: {name}: rc {records[-1]['returncode']}, "
               f"{records[-1]['wall_seconds']} s", file=sys.stderr, flush=True)
         if name == "setup" and records[-1]["returncode"] != 0:
             break
-    prov = provenance.collect({"steps": [n for n, _ in steps(args.setup)]})
+    prov = provenance.collect({"steps": [n for n, _ in chosen]})
     provenance.validate(prov)
-    doc = {"suite": "test-tiers", "complete": len(records) == len(steps(args.setup)),
+    doc = {"suite": "test-tiers", "complete": len(records) == len(chosen),
            "description": "CI's steps (.ci/run) timed on this checkout, one run each",
            "records": records, "total_wall_seconds": round(sum(r["wall_seconds"] for r in records), 1),
            "provenance": prov}

@@ -1,18 +1,20 @@
-"""cpu_int4 benchmark: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
+"""Serving benchmark: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
 
     python -m benchmarks.tinygemm_bench [--models demo,qwen05b] [--passes N] [--smoke]
                                         [--decode-tokens N] [--out DIR] [--workdir DIR]
                                         [--eager] [--arms A,B] [--llama-cpp TYPES]
-    python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--out DIR]
+    python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--threads N] [--out DIR]
 
 One harness suite per model (``benchmarks/harness.py``: arms interleaved with the order rotated
 every pass, >= 3 passes, median and spread, per-pass ratios to the ``bf16`` arm, failures
 recorded, provenance with artifact sha256). Arms:
 
 ``bf16``      the source checkpoint (vLLM's unquantized CPU GEMM)
-``gptq``      ``cpu-quant gptq`` layout, served by stock vLLM (``cpu_gemm_wna16`` here: no AMX)
-``gptq_tinygemm``  the ``gptq`` arm's checkpoint with the plugin's opt-in kernel
-              (``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``: symmetric GPTQ layers on tinygemm)
+``gptq``      ``cpu-quant gptq`` layout as users serve it: the cpu_quant plugin installed, no
+              switch set, so GPTQ layers run on the kernel this CPU's row of
+              ``cpu_quant.probe.KERNEL_TABLE`` names (tinygemm on x86 without AMX)
+``gptq_stock``  the ``gptq`` arm's checkpoint with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: stock
+              vLLM's kernel (``cpu_gemm_wna16``; absent from vLLM's AVX2 build)
 ``cpu_int4``  ``cpu-quant tinygemm`` layout, served through the cpu_quant plugin (tinygemm)
 ``llama.cpp-TYPE``  with ``--llama-cpp TYPE[,TYPE]`` (``q4_0``, ``q4_k_m``, ``q8_0``): the same
               bf16 checkpoint converted to GGUF and quantized by llama.cpp itself, run by
@@ -38,19 +40,26 @@ and a 256 MiB KV cache, then measures:
 ``prefill_tok_s``          a 512-token prompt, 1 output token: 512 / time, best of 3
 ``start_seconds``          ``LLM(...)`` construction
 
-Each pass checks its knob (MEASURING.md rule 4): the engine's whole log (all processes) goes
-to ``pass.json.log``; the cpu_int4 arm must log the tinygemm layout line, the gptq arm vLLM's
-``Using CPUWNA16LinearKernel``, the gptq_tinygemm arm the plugin kernel's line.
+and, in the pass's extras, RssAnon after start-up attributed by counting
+(:func:`memory_attribution`): per process of the tree (front end, engine core, worker,
+inductor compile workers), and in the worker the bytes of the weights and of the KV cache.
+
+Each pass checks its knobs (MEASURING.md rule 4): the engine's whole log (all processes) goes
+to ``pass.json.log``; the cpu_int4 arm must log the tinygemm layout line, the gptq arm the
+line of its kernel on this CPU (``default_gptq_knob``), the gptq_stock arm vLLM's ``Using
+CPUWNA16LinearKernel``; and the pass must have run with exactly its arm's plugin switches
+(``ARM_ENV``: none for every arm but gptq_stock).
 
 ``kernel`` (attribution, MEASURING.md rule 9): in one process, with every core, the time of one
-step's linear layers for each model's shapes, called one by one as the model calls them:
-``torch.ops.cpu_quant.int4pack_linear`` against the bf16 GEMM (``F.linear``) on the same
-shapes, at M = 1 (decode: the tinygemm kernel; median of 50) and M = 512 (the prefill: the
-dequantize path; median of 5; the head is left out, vLLM computes logits for one position).
-Set beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it
-splits a step into the linears' share and the rest (attention, norms, sampling, vLLM's
-per-step overhead). Written to
-``benchmarks/results/tinygemm-kernel-<stamp>.json`` with provenance.
+step's linear layers for each model's shapes, called one by one as the model calls them, at
+M = 1 (decode; median of 50) and M = 512 (the prefill; median of 5; the head is left out, vLLM
+computes logits for one position), through each path (:func:`kernel_attribution`: the op, the
+tinygemm kernel alone, the op's dequantize path with a float32 and with a bf16 GEMM, vLLM's
+``cpu_gemm_wna16`` where it exists, dense bf16 and float32); and the kernel against the
+dequantize path at M from 8 to 256, the measurement behind the kernel table's threshold. Set
+beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it splits
+a step into the linears' share and the rest (attention, norms, sampling, vLLM's per-step
+overhead). Written to ``benchmarks/results/tinygemm-kernel-<stamp>.json`` with provenance.
 """
 
 from __future__ import annotations
@@ -82,12 +91,25 @@ METRICS = [
 QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                max_position_embeddings=4096, tie_word_embeddings=True)
+STOCK_GPTQ_KNOB = "Using CPUWNA16LinearKernel"
+
+
+def default_gptq_knob() -> str:
+    """What the ``gptq`` arm's log must hold on this CPU: the plugin's per-layer-type line where
+    its kernel table puts GPTQ layers on tinygemm, vLLM's own kernel line elsewhere."""
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    on_tinygemm = serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
+    return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
+
+
 KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
-         "gptq": "Using CPUWNA16LinearKernel",
-         "gptq_tinygemm": GPTQ_TINYGEMM_KNOB}
-# arms that serve another arm's artifact with the plugin's opt-in kernel switched on
-SAME_ARTIFACT = {"gptq_tinygemm": "gptq"}
-ARM_ENV = {"gptq_tinygemm": {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "1"}}
+         "gptq": default_gptq_knob(),
+         "gptq_stock": STOCK_GPTQ_KNOB}
+# arms that serve another arm's artifact with a switch of the plugin set
+SAME_ARTIFACT = {"gptq_stock": "gptq"}
+# the plugin's switches each arm runs with (exactly these; every pass checks it)
+ARM_ENV = {"gptq_stock": {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "0"}}
 
 
 # -- one pass (its own process) -----------------------------------------------------------------
@@ -124,6 +146,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
               enable_prefix_caching=False)
     start = time.perf_counter() - t0
     rss = anon_rss_bytes(tree=True)
+    memory = memory_attribution(llm)
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     rng = random.Random(0)
 
@@ -144,7 +167,9 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
     import re
 
     bound = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
-    result = {"start_seconds": start, "rss_anon_bytes": rss, "decode_tok_s": max(decode),
+    result = {"start_seconds": start, "rss_anon_bytes": rss, "memory": memory,
+              "decode_tok_s": max(decode),
+              "switches": {k: v for k, v in os.environ.items() if k.startswith("CPU_QUANT_")},
               "decode_tokens": decode_tokens, "prompt_len": prompt_len, "enforce_eager": eager,
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
               "knobs": {arm: text in log for arm, text in KNOBS.items()},
@@ -152,6 +177,88 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out)
+
+
+# -- memory attribution (MEASURING.md rule 9: count, don't subtract) ------------------------------
+def _worker_memory(worker) -> dict:
+    """In a vLLM worker (``LLM.collective_rpc``): bytes of the model's unique tensor storages
+    (parameters and buffers: the weights as they are held, packed or not) and of the KV cache's,
+    each counted once, and the worker's own RssAnon. Both sets are written at start-up (weights
+    loaded, the KV cache zero-filled), so their bytes are resident."""
+    import os as _os
+
+    from cpu_quant.memory import anon_rss_bytes
+
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def storages(tensors) -> dict[int, int]:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None and t.device.type == "cpu":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return seen
+
+    weights = storages([*model.parameters(), *model.buffers()])
+    kv_list = runner.kv_caches
+    kv_flat = [t for item in kv_list for t in (item if isinstance(item, (list, tuple)) else [item])]
+    kv = storages(kv_flat)
+    by_dtype: dict[str, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        by_dtype[str(t.dtype).removeprefix("torch.")] = \
+            by_dtype.get(str(t.dtype).removeprefix("torch."), 0) + t.numel() * t.element_size()
+    return {"pid": _os.getpid(), "weights_bytes": sum(weights.values()),
+            "kv_cache_bytes": sum(kv.values()), "weights_by_dtype": by_dtype,
+            "rss_anon_bytes": anon_rss_bytes(tree=False)}
+
+
+def _role(pid: int, front_end: int, workers: set[int]) -> str:
+    """front end (the ``LLM`` process), worker, compile worker (inductor's subprocess pool), or
+    engine core / other vLLM process, from the pid and the command line."""
+    if pid == front_end:
+        return "front_end"
+    if pid in workers:
+        return "worker"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return "gone"
+    if "compile_worker" in cmdline:
+        return "compile_worker"
+    return "engine_core_or_other"
+
+
+def memory_attribution(llm) -> dict:
+    """RssAnon after start-up, attributed by counting: per process of the engine's tree (front
+    end, engine core, worker, inductor compile workers), and inside the worker the bytes of the
+    weights and of the KV cache (their tensor storages, counted). ``worker_other_bytes`` is the
+    worker's RssAnon beside those two counts (allocator, libraries, compiled code, buffers): the
+    one figure not counted directly, labelled as such."""
+    from cpu_quant.memory import _read_rss_anon_kib, descendant_pids
+
+    workers = llm.collective_rpc(_worker_memory)
+    front = os.getpid()
+    worker_pids = {w["pid"] for w in workers}
+    processes = []
+    for pid in [front, *descendant_pids(front)]:
+        kib = _read_rss_anon_kib(pid)
+        if kib is not None:
+            processes.append({"pid": pid, "role": _role(pid, front, worker_pids),
+                              "rss_anon_bytes": kib * 1024})
+    by_role: dict[str, int] = {}
+    for p in processes:
+        by_role[p["role"]] = by_role.get(p["role"], 0) + p["rss_anon_bytes"]
+    weights = sum(w["weights_bytes"] for w in workers)
+    kv = sum(w["kv_cache_bytes"] for w in workers)
+    worker_rss = by_role.get("worker", 0)
+    metrics = {"weights_bytes": weights, "kv_cache_bytes": kv,
+               "compile_workers_rss_anon_bytes": by_role.get("compile_worker", 0),
+               "runtime_processes_rss_anon_bytes": by_role.get("front_end", 0)
+               + by_role.get("engine_core_or_other", 0),
+               "worker_other_bytes": worker_rss - weights - kv}
+    return {"processes": processes, "by_role": by_role, "workers": workers, "metrics": metrics}
 
 
 # -- artifacts ------------------------------------------------------------------------------------
@@ -191,7 +298,7 @@ def _quantized(src: Path, dst: Path, fmt: str) -> Path:
     return dst
 
 
-ARMS = ("bf16", "gptq", "gptq_tinygemm", "cpu_int4")
+ARMS = ("bf16", "gptq", "gptq_stock", "cpu_int4")
 
 
 def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str] = ARMS,
@@ -285,14 +392,60 @@ def _wna16_layer(n: int, k: int, g: int):
     return kernel, layer
 
 
-def kernel_attribution(model: str, src: Path) -> dict:
-    """Median time of one decode step's linears (M = 1) and of a prefill's (M = 512), called in
-    order: tinygemm (``cpu_int4``, and GPTQ with the opt-in plugin kernel) vs vLLM's
-    ``cpu_gemm_wna16`` (stock GPTQ) vs bf16."""
+SWEEP_ROWS = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # where the kernel stops paying
+
+
+def _path_times(rows: int, k: int, g: int, packed, storage, w, wna16, dequantize_path
+                ) -> dict[str, float]:
+    """Median ms of one call per path (see :func:`kernel_attribution`) at ``rows`` rows."""
     import torch
     import torch.nn.functional as F
 
-    from cpu_quant import tinygemm_runtime  # noqa: F401  (registers the op)
+    xk = torch.randn(rows, k).to(torch.bfloat16)
+    w32 = w.float()
+    reps = 50 if rows == 1 else 5
+    arms = {
+        "int4": lambda: torch.ops.cpu_quant.int4pack_linear(xk, packed, storage, g),
+        "kernel": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xk, packed, g, storage),
+        "bf16": lambda: F.linear(xk, w),
+        "f32": lambda: F.linear(xk.float(), w32),
+    }
+    if rows > 1:
+        arms["int4_f32"] = lambda: dequantize_path(xk, packed, storage, g, "float32")
+        arms["int4_bf16"] = lambda: dequantize_path(xk, packed, storage, g, "bfloat16")
+    if wna16 is not None:
+        arms["wna16"] = lambda: wna16[0].apply_weights(wna16[1], xk)
+    return {arm: round(_median_ms(fn, reps), 4) for arm, fn in arms.items()}
+
+
+def _sweep_times(rows: int, k: int, g: int, packed, storage, dequantize_path, gemm: str
+                 ) -> dict[str, float]:
+    """The tinygemm kernel against the op's dequantize path (``gemm``) at ``rows`` rows."""
+    import torch
+
+    xk = torch.randn(rows, k).to(torch.bfloat16)
+    return {"kernel_ms": round(_median_ms(
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xk, packed, g, storage), 5), 4),
+            "dequantize_ms": round(_median_ms(
+                lambda: dequantize_path(xk, packed, storage, g, gemm), 5), 4)}
+
+
+def kernel_attribution(model: str, src: Path) -> dict:
+    """Median time of one decode step's linears (M = 1) and of a prefill's (M = 512), called in
+    order, per path:
+
+    ``int4``      the ``cpu_quant::int4pack_linear`` op as configured (kernel at M = 1; at
+                  M = 512 dequantize + this CPU's prefill GEMM)
+    ``int4_f32`` / ``int4_bf16``  at M = 512, the op's dequantize path with each prefill GEMM
+    ``kernel``    the tinygemm kernel alone (``_weight_int4pack_mm_for_cpu``), at both M
+    ``wna16``     vLLM's ``cpu_gemm_wna16`` (stock GPTQ), where this vLLM build has it
+    ``bf16`` / ``f32``  the dense GEMM (``F.linear``) on weights of that dtype
+
+    and, for the layer linears of one step (the head left out), the kernel against the op's
+    dequantize path at each M of ``SWEEP_ROWS``: the measured threshold of the kernel table."""
+    import torch
+
+    from cpu_quant import tinygemm_runtime as rt
     from cpu_quant.formats import cpu_int4 as tp
 
     config = json.loads((src / "config.json").read_text())
@@ -305,34 +458,49 @@ def kernel_attribution(model: str, src: Path) -> dict:
         storage, sview, zview = tp.scale_zero_storage(n, k, g)
         sview.fill_(0.01)
         zview.fill_(0.001)
-        unique[(name, n, k, g)] = (tp.torch_pack(codes), storage,
-                                   (torch.randn(n, k) * 0.02).to(torch.bfloat16),
-                                   _wna16_layer(n, k, g))
-    arms = ("int4", "wna16", "bf16")
+        w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+        unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w, _wna16_layer(n, k, g))
+    configured = rt.PREFILL_GEMM
+
+    def dequantize_path(xk, packed, storage, g, gemm):
+        rt.PREFILL_GEMM = gemm
+        try:
+            return rt._dequantize_matmul(xk, packed, storage, g)
+        finally:
+            rt.PREFILL_GEMM = configured
+
     per_module = []
     for (name, n, k, g), (packed, storage, w, wna16) in unique.items():
         count = sum(1 for lin in linears if lin == (name, n, k, g))
         row = {"module": name, "n": n, "k": k, "group": g, "calls_per_step": count,
                "int4_bytes": n * k // 2 + 4 * n * (k // g), "bf16_bytes": 2 * n * k}
         for rows in ROWS:
-            xk = torch.randn(rows, k).to(torch.bfloat16)
-            reps = 50 if rows == 1 else 5
-            row[f"int4_ms_m{rows}"] = round(_median_ms(
-                lambda xk=xk, packed=packed, storage=storage, g=g:
-                torch.ops.cpu_quant.int4pack_linear(xk, packed, storage, g), reps), 4)
-            row[f"bf16_ms_m{rows}"] = round(_median_ms(lambda xk=xk, w=w: F.linear(xk, w),
-                                                       reps), 4)
-            row[f"wna16_ms_m{rows}"] = None if wna16 is None else round(_median_ms(
-                lambda xk=xk, kl=wna16: kl[0].apply_weights(kl[1], xk), reps), 4)
-        if name != "lm_head":  # the prefill computes logits for the last position only
-            per_module.append(row)
-        else:
-            per_module.append({**row, **{f"{arm}_ms_m{ROWS[-1]}": None for arm in arms}})
-    step = {f"{arm}_m{rows}": round(sum((m[f"{arm}_ms_m{rows}"] or 0.0) * m["calls_per_step"]
-                                        for m in per_module), 3)
-            for arm in arms for rows in ROWS}
+            if rows > 1 and name == "lm_head":  # the prefill computes logits for one position
+                continue
+            row.update({f"{arm}_ms_m{rows}": ms for arm, ms in
+                        _path_times(rows, k, g, packed, storage, w, wna16, dequantize_path).items()})
+        if name != "lm_head":
+            row["sweep"] = {rows: _sweep_times(rows, k, g, packed, storage, dequantize_path,
+                                               configured) for rows in SWEEP_ROWS}
+        per_module.append(row)
+        print(f"{model} {name}: {row}", file=sys.stderr, flush=True)
+
+    def step(key: str) -> float:
+        return round(sum((m.get(key) or 0.0) * m["calls_per_step"] for m in per_module), 3)
+
+    arms = ("int4", "kernel", "bf16", "f32", "wna16", "int4_f32", "int4_bf16")
+    steps = {f"{arm}_m{rows}": step(f"{arm}_ms_m{rows}") for arm in arms for rows in ROWS
+             if any(f"{arm}_ms_m{rows}" in m for m in per_module)}
+    sweep = {rows: {path: round(sum(m["sweep"][rows][path] * m["calls_per_step"]
+                                    for m in per_module if "sweep" in m), 3)
+                    for path in ("kernel_ms", "dequantize_ms")} for rows in SWEEP_ROWS}
+    crossover = next((rows for rows in SWEEP_ROWS
+                      if sweep[rows]["dequantize_ms"] < sweep[rows]["kernel_ms"]), None)
     return {"model": model, "torch_threads": torch.get_num_threads(), "rows": list(ROWS),
-            "modules": per_module, "linears_ms_per_step": step}
+            "kernel_max_rows": rt.KERNEL_MAX_ROWS, "prefill_gemm": configured,
+            "modules": per_module, "linears_ms_per_step": steps,
+            "layer_linears_ms_per_step_by_rows": sweep,
+            "first_rows_where_dequantize_wins": crossover}
 
 
 def kernel_main(argv: list[str]) -> int:
@@ -342,7 +510,15 @@ def kernel_main(argv: list[str]) -> int:
     parser.add_argument("--models", default="demo,qwen05b")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--workdir", default="/tmp/cpu-quant-bench/tinygemm-kernel")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: every core, as vLLM binds them). On a "
+                             "shared machine one thread keeps the timings apart from other "
+                             "jobs: a parallel region waits for its slowest thread")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from cpu_quant.models.demo import demo_model_path
 
     results, inputs = [], {}
@@ -354,7 +530,8 @@ def kernel_main(argv: list[str]) -> int:
         print(f"{model}: linears per step (ms): {r['linears_ms_per_step']}", file=sys.stderr)
         results.append(r)
     prov = collect({"models": args.models, "m_rows": list(ROWS), "reps": {"1": 50, "512": 5},
-                    "statistic": "median"},
+                    "sweep_rows": list(SWEEP_ROWS), "statistic": "median",
+                    "threads": args.threads or "all"},
                    inputs)
     validate(prov)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -374,9 +551,11 @@ def omp_bind() -> str:
 def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
          prompt_len: int = PROMPT_LEN) -> Arm:
     def command(ctx: PassContext) -> Command:
+        # VLLM_ALLOW_INSECURE_SERIALIZATION: lets the pass send memory_attribution's counting
+        # function to the worker (collective_rpc); it changes nothing else
         env = {"VLLM_CACHE_ROOT": str(ctx.workdir.parent.parent / f"vllm-cache-{name}"),
                "VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_LOGGING_LEVEL": "INFO",
-               **ARM_ENV.get(name, {})}
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **ARM_ENV.get(name, {})}
         argv = [sys.executable, "-m", "benchmarks.tinygemm_bench", "one-pass", str(path),
                 str(ctx.workdir / "pass.json"), str(decode_tokens), "--prompt-len",
                 str(prompt_len)] + (["--eager"] if eager else [])
@@ -395,12 +574,16 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
         if data.get("omp_core_ids") != cores:
             raise HarnessError(f"{name}: vLLM bound its OpenMP threads to "
                                f"{data.get('omp_core_ids')}, not every core {cores}")
+        if data.get("switches") != ARM_ENV.get(name, {}):
+            raise HarnessError(f"{name}: the pass ran with the plugin switches "
+                               f"{data.get('switches')}, not {ARM_ENV.get(name, {})}")
         return {m.name: float(data[m.name]) for m in METRICS}
 
     def extras(ctx: PassContext, run: RunRecord) -> dict:
         data = json.loads((ctx.workdir / "pass.json").read_text())
         return {"decode_all": data["decode_all"], "prefill_all": data["prefill_all"],
-                "omp_core_ids": data.get("omp_core_ids"), "loadavg_after": os.getloadavg()}
+                "omp_core_ids": data.get("omp_core_ids"), "memory": data.get("memory"),
+                "loadavg_after": os.getloadavg()}
 
     return Arm(name, {"model": str(path), "env": ARM_ENV.get(name, {})}, command, collect,
                extras=extras)

@@ -10,6 +10,7 @@ import click
 
 from .cli_conventions import RunConventions, no_resume_on_interrupt, run_options
 from .cli_support import (
+    OneLineUsageErrors,
     friendly_errors,
     quantize_options,
     run_quantize_command,
@@ -17,7 +18,7 @@ from .cli_support import (
 from .eval.settings import DEFAULT_EVAL, FULL_EVAL
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cpu-quant")
 def main() -> None:
     """Quantize and export LLM checkpoints for edge CPUs and phones."""

@@ -4,6 +4,7 @@ options, summary and driver shared by the commands that run the quantization pip
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -11,24 +12,65 @@ from pathlib import Path
 import click
 
 from .errors import CpuQuantError
+from .quantize.settings import DEFAULT_RANK_TIMEOUT
 
 
 def friendly_errors(fn):
-    """Turn CpuQuantError (and Ctrl-C) into a one-line message and an exit code."""
+    """Turn CpuQuantError (and Ctrl-C, or SIGTERM) into a one-line message and an exit code. In
+    a distributed run only one rank prints it (the others' errors are marked quiet:
+    ``quantize.distributed.joined``)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from .quantize.signals import sigterm_as_ctrl_c
+
         try:
-            return fn(*args, **kwargs)
+            with sigterm_as_ctrl_c():
+                return fn(*args, **kwargs)
         except CpuQuantError as exc:
-            click.echo(f"error: {exc}", err=True)
+            if not getattr(exc, "cpu_quant_quiet", False):
+                click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted: the output was not written; a quantization run can be "
-                       "continued with --resume", err=True)
+        except KeyboardInterrupt as exc:
+            if not getattr(exc, "cpu_quant_quiet", False):
+                click.echo("interrupted: the output was not written; a quantization run can be "
+                           "continued with --resume", err=True)
             sys.exit(130)
 
     return wrapper
+
+
+class UsageErrorLine(click.ClickException):
+    """A command-line usage error (an unknown option, a value of the wrong type) shown as one
+    ``error:`` line like every other bad input, not click's usage block."""
+
+    exit_code = 2
+
+    def __init__(self, exc: click.UsageError) -> None:
+        where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        super().__init__(" ".join(exc.format_message().split()) + where)
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class OneLineUsageErrors(click.Group):
+    """The ``cpu-quant`` group: a usage error, its own or a subcommand's, is one ``error:``
+    line."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.exceptions.NoArgsIsHelpError:  # `cpu-quant` alone: the help, as click shows it
+            raise
+        except click.UsageError as exc:
+            raise UsageErrorLine(exc) from None
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise UsageErrorLine(exc) from None
 
 
 def _resolve_source(src: str | None) -> Path:
@@ -111,6 +153,10 @@ def quantize_options(fn):
                      help="GPTQ dampening, as a fraction of the Hessian's mean diagonal."),
         click.option("--no-scale-search", is_flag=True,
                      help="Plain absmax scales instead of the weighted scale search."),
+        click.option("--positive-scales", is_flag=True,
+                     help="Symmetric scales >= 0 only, the convention of ExecuTorch's XNNPACK "
+                          "and QNN int4 weights: export-phone --quantized takes such a run's "
+                          "codes as they are (see docs/phone.md)."),
         click.option("--no-lm-head", is_flag=True,
                      help="Keep the output head bf16 (costs decode speed; see docs/gptq.md)."),
         click.option("--head-group", type=int, default=None,
@@ -125,12 +171,34 @@ def quantize_options(fn):
                      help="Continue an interrupted or killed run from its last completed layer "
                           "(same source contents, settings and calibration only; Ctrl-C or "
                           "SIGTERM stops a run at once and keeps its completed layers)."),
+        click.option("--nproc", type=click.IntRange(min=1), default=None,
+                     help="Run as N processes on this host (data-parallel over "
+                          "torch.distributed, gloo): each takes a share of the calibration "
+                          "batches, and the artifact is the one a single process writes with "
+                          "the same --threads (threads per process; default: this host's CPUs "
+                          "/ N). Across hosts, start the ranks with torchrun instead (see "
+                          "docs/gptq.md)."),
+        click.option("--rank-timeout", type=click.FloatRange(min=1), default=DEFAULT_RANK_TIMEOUT,
+                     show_default=True,
+                     help="In a distributed run, seconds a process waits for the others; a "
+                          "process that ends or hangs stops the run after at most this long."),
     ]
     for option in reversed(options):
         fn = option(fn)
     from .cli_conventions import run_options
 
     return run_options(fn)
+
+
+def _agree_across_ranks(team, src: str | None, dst: str | None, formats: list, kind: str,
+                        opts: dict) -> None:
+    """Every rank of a distributed run started with the same command (before any work)."""
+    from .quantize.distributed import agree_on_command
+
+    flags = {p.name: p.opts[0] for p in click.get_current_context().command.params if p.name}
+    options = dict(opts, src=src, dst=str(Path(dst).resolve()) if dst else None, kind=kind,
+                   format=",".join(f.name for f in formats))
+    agree_on_command(team, options, dict(flags, src="SRC", dst="DST"))
 
 
 def _settings_from(opts: dict, symmetric: bool):
@@ -141,20 +209,36 @@ def _settings_from(opts: dict, symmetric: bool):
         act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],
         head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
-        offload_activations=opts["offload_activations"], symmetric=symmetric)
+        offload_activations=opts["offload_activations"], symmetric=symmetric,
+        positive_scales=opts["positive_scales"])
 
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,
                          kind: str, opts: dict) -> None:
     from .cli_conventions import RunConventions, stdout_for_json
+    from .quantize.distributed import joined, launched_rank
 
-    conv = RunConventions.take(opts)
-    with stdout_for_json(conv.as_json) as emit:
-        emit(_run_quantize(src, dst, formats, symmetric, kind, opts, conv))
+    nproc, timeout = opts.pop("nproc"), opts.pop("rank_timeout")
+    if nproc is not None and launched_rank():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if nproc != local:
+            raise CpuQuantError(f"--nproc {nproc} in a process started as one of {local} ranks: "
+                                "--nproc starts the ranks itself; under torchrun leave it out")
+    elif nproc is not None and nproc > 1:
+        from .launcher import launch_ranks
+
+        sys.exit(launch_ranks(nproc, sys.argv[1:], opts["threads"]))
+    with joined(timeout) as team:
+        conv = RunConventions.take(opts)
+        _agree_across_ranks(team, src, dst, formats, kind, opts)
+        if not team.writer:  # rank 0 speaks for the run
+            conv.quiet, conv.as_json = True, False
+        with stdout_for_json(conv.as_json) as emit:
+            emit(_run_quantize(src, dst, formats, symmetric, kind, opts, conv, team))
 
 
 def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bool, kind: str,
-                  opts: dict, conv) -> dict:
+                  opts: dict, conv, team) -> dict:
     from .after_run import finish_outputs
     from .quantize.pipeline import check_formats, quantize_checkpoint, update_report
     from .report.phases import PhaseMeter
@@ -172,7 +256,14 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
     meter = PhaseMeter()
     with meter.phase("quantize"):
         report = quantize_checkpoint(source, target, settings, formats, overwrite=opts["overwrite"],
-                                     resume=opts["resume"], progress=conv.progress)
+                                     resume=opts["resume"], progress=conv.progress, team=team)
+    team.release_signals()
+    if not team.writer:
+        return {}
+    if team.world_size > 1:  # the other ranks on this host are done: the checks get their threads
+        import torch
+
+        torch.set_num_threads(torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     shown = len(report.plan_notes) if conv.verbose else 6
     for note in report.plan_notes[:shown]:
         conv.note(f"note: {note}")

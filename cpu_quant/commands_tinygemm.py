@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .cli_conventions import json_option, stdout_for_json
+from .cli_conventions import json_option, no_resume_on_interrupt, stdout_for_json
 from .cli_support import friendly_errors, quantize_options, run_quantize_command
 
 
@@ -43,6 +43,7 @@ def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @json_option
 @friendly_errors
+@no_resume_on_interrupt("convert")
 def convert(src_dir: str, dst: str, target: str, overwrite: bool, as_json: bool) -> None:
     """Repack a 4-bit checkpoint into another format, bit-exactly, or refuse and say why."""
     from .after_run import record_conversion

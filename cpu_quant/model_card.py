@@ -11,7 +11,6 @@ fidelity check has updated ``quantization_report.json``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -205,7 +204,7 @@ def write_model_card(directory: Path, report: dict, source: Path, format_name: s
     directory = Path(directory)
     path = directory / "README.md" if directory.is_dir() else directory.with_name(
         directory.name + ".README.md")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(model_card_text(directory, report, Path(source), format_name))
-    os.replace(tmp, path)
+    from .io.artifact import write_text_atomic
+
+    write_text_atomic(path, model_card_text(directory, report, Path(source), format_name))
     return path

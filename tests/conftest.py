@@ -8,7 +8,10 @@ and the two test tiers.
   ``vllm`` or ``slow``, or when it uses one of the fixtures in :data:`E2E_FIXTURES` (they
   quantize the demo model or start a runtime; each is built once per run and shared).
 
-``pytest -m "e2e or not e2e"`` runs both in one process.
+``pytest -m "e2e or not e2e"`` runs both in one process. CI runs each tier on two
+pytest-xdist workers (``-n 2``; the end-to-end tier with ``--dist loadgroup``, which with no
+``xdist_group`` marks hands out one test at a time); a session fixture is built once per
+worker that needs it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ SMALL_CALIB = ["--samples", "16", "--seqlen", "256"]
 E2E_FIXTURES = frozenset({
     "demo_formats", "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact",
     "uniform_artifact", "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
-    "qnn_w8a16", "quantize_dir", "quantize_result", "fidelity_result", "stream_and_hidden",
+    "qnn_w8a16", "qnn_16a4w", "xnnpack_8da4w", "tiny_gptq", "demo_gptq_g32", "quantize_dir",
+    "quantize_result", "fidelity_result", "stream_and_hidden",
 })
 E2E_MARKS = ("e2e", "vllm", "slow")
 
@@ -45,18 +49,32 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def vllm_gptq_unavailable() -> str | None:
-    """Why stock vLLM cannot run a GPTQ checkpoint on this CPU (no AVX-512: its AVX2 kernel
-    library lacks cpu_gemm_wna16), or None. The product's own check, on /proc/cpuinfo."""
+    """Why vLLM with the cpu_quant plugin (installed with cpu-quant) cannot run a GPTQ checkpoint
+    on this CPU, or None: the product's own check on /proc/cpuinfo (its kernel table puts GPTQ
+    layers on tinygemm on x86 with AVX2 or AVX-512, so only stock vLLM's limits remain
+    elsewhere)."""
     from cpu_quant.probe import read_machine
     from cpu_quant.probe import vllm_gptq_unavailable as why
 
     return why(read_machine())
 
 
-# vLLM serving a GPTQ checkpoint: runs where vLLM's CPU build has the kernel, skipped (with the
-# reason) elsewhere; the same tests' cpu_int4 counterparts run on every x86 CPU.
+def stock_vllm_gptq_unavailable() -> str | None:
+    """Why stock vLLM (no cpu_quant plugin, or its GPTQ kernel switched off) cannot run a GPTQ
+    checkpoint on this CPU (no AVX-512: its AVX2 kernel library lacks cpu_gemm_wna16), or None."""
+    from cpu_quant.probe import read_machine
+    from cpu_quant.probe import stock_vllm_gptq_unavailable as why
+
+    return why(read_machine())
+
+
+# vLLM serving a GPTQ checkpoint as users run it (the plugin installed): skipped, with the
+# reason, only where neither vLLM's build nor the plugin's kernel can run it.
 needs_vllm_gptq_kernel = pytest.mark.skipif(vllm_gptq_unavailable() is not None,
                                             reason=f"{vllm_gptq_unavailable()}")
+# stock vLLM's own GPTQ kernel (tests that compare against it or exclude the plugin)
+needs_stock_vllm_gptq_kernel = pytest.mark.skipif(stock_vllm_gptq_unavailable() is not None,
+                                                  reason=f"{stock_vllm_gptq_unavailable()}")
 
 
 def run_cli(*args: str, check: bool = True, timeout: int = 1800, env: dict | None = None
@@ -154,6 +172,16 @@ def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: 
 @pytest.fixture(scope="session")
 def tiny_llama(demo_src: Path, tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", demo_src)
+
+
+@pytest.fixture(scope="session")
+def hostile_bases(tiny_llama, tmp_path_factory):
+    """The hostile-input corpus' base inputs (tests/hostile/generate.py): the tiny model,
+    another of its shapes, its GPTQ, cpu_int4 and GGUF artifacts (RTN), a run interrupted
+    after its first layer, and a short calibration text. Built in-process, once."""
+    from .hostile.generate import build_bases
+
+    return build_bases(tmp_path_factory.mktemp("hostile-bases"), model=tiny_llama)
 
 
 def put_nan(checkpoint: Path, tensor: str, index: tuple[int, int]) -> None:

@@ -316,3 +316,16 @@ def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     got = compare(a, b)
     assert not got["identical"] and got["differing"] == ["y"]
     assert main([str(a), str(tmp_path / "missing"), "--label", "t", "--out", str(tmp_path)]) == 2
+
+
+def test_test_tiers_times_what_ci_and_the_readme_run():
+    """The timed steps are .ci/run's commands, and the README's test command is the same
+    commands joined with ``&&``: a change to one that the others miss fails here."""
+    from benchmarks.test_tiers import REPO, steps
+
+    got = steps(True)
+    assert [name for name, _ in got] == ["setup", "unit", "e2e"]
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.startswith(("./scripts/setup.sh", ".venv/bin/python -m pytest"))]
+    assert len(ci) == 3
+    assert " && ".join(ci) in (REPO / "README.md").read_text()

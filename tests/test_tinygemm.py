@@ -84,8 +84,13 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, weight_rou
     return 2 * (2.0**-9 * ref.abs() + per_term * mag)
 
 
-def test_kernel_and_prefill_path_match_the_dequantized_reference():
+@pytest.mark.parametrize("gemm", ["bfloat16", "float32"])
+def test_kernel_and_prefill_path_match_the_dequantized_reference(gemm: str, monkeypatch):
+    """Both prefill GEMMs of the kernel table: ``bfloat16`` rounds the weights to bf16 first,
+    ``float32`` multiplies the exact float32 weights."""
     from cpu_quant import tinygemm_runtime as rt
+
+    monkeypatch.setattr(rt, "PREFILL_GEMM", gemm)
 
     n, k, group = 576, 1536, 128
     codes, scale, zero = _random_module(n, k, group, seed=3)
@@ -101,7 +106,7 @@ def test_kernel_and_prefill_path_match_the_dequantized_reference():
         ref = x.float() @ w.t()
         got = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group).float()
         kernel_path = rows <= rt.KERNEL_MAX_ROWS
-        bound = _error_bound(x, w, ref, weight_rounding=not kernel_path)
+        bound = _error_bound(x, w, ref, weight_rounding=not kernel_path and gemm == "bfloat16")
         assert bool(((got - ref).abs() <= bound).all()), \
             f"{rows} rows: max excess {float(((got - ref).abs() - bound).max()):.3g}"
         if kernel_path:  # the op's kernel path is exactly torch's kernel
@@ -109,6 +114,33 @@ def test_kernel_and_prefill_path_match_the_dequantized_reference():
             assert torch.equal(got, direct.float())
     assert rt.PATH_CALLS["kernel"] - before["kernel"] == 2
     assert rt.PATH_CALLS["dequantize"] - before["dequantize"] == 1
+
+
+def test_prefill_path_keeps_no_copy_of_the_weights(monkeypatch):
+    """The dequantize path's only memory beyond its output is the tile buffers, reused by every
+    chunk and call: their size does not grow with the weight (a 4x larger matrix leaves them
+    as they were), and they are far smaller than the dequantized weight."""
+    from cpu_quant import tinygemm_runtime as rt
+
+    def scratch_bytes() -> int:
+        return sum(b.numel() * b.element_size() for b in vars(rt._scratch).values())
+
+    k, group, rows = 1024, 128, rt.KERNEL_MAX_ROWS + 1
+    sizes = {}
+    for gemm in ("float32", "bfloat16"):
+        monkeypatch.setattr(rt, "PREFILL_GEMM", gemm)
+        for n in (2048, 8192):
+            packed = tp.torch_pack(torch.randint(0, 16, (n, k), dtype=torch.int32))
+            storage, sview, _ = tp.scale_zero_storage(n, k, group)
+            sview.fill_(0.01)
+            torch.ops.cpu_quant.int4pack_linear(torch.randn(rows, k).to(torch.bfloat16), packed,
+                                                storage, group)
+            sizes[(gemm, n)] = scratch_bytes()
+    assert sizes[("float32", 2048)] == sizes[("float32", 8192)]
+    assert sizes[("bfloat16", 2048)] == sizes[("bfloat16", 8192)]
+    # the float32 tile, the bf16 tile and the output tile: a few MiB, against 32 MiB for the
+    # larger weight dequantized to float32
+    assert sizes[("bfloat16", 8192)] <= 4 * tp.CHUNK_WEIGHTS * 4 < 8192 * k * 4
 
 
 def test_gptq_layers_repack_to_the_kernel_exactly():
@@ -292,20 +324,38 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path:
-    """A one-module symmetric GPTQ checkpoint of shape [n x k], group ``group``."""
+    """A whole one-layer Llama checkpoint (hidden size ``n``, intermediate size ``k``, one head,
+    a 256-token vocabulary; ``config``'s quantization_config) whose one quantized module is
+    ``model.layers.0.mlp.down_proj``, [n x k] in symmetric GPTQ of group ``group`` with random
+    codes; the ``dynamic`` rules keep every other linear bf16, as a GPTQ run's plan would."""
+    import transformers
     from safetensors.torch import save_file
 
     from cpu_quant.formats.gptq import gptq_module_tensors
     from cpu_quant.quantize.grid import GroupQuant
 
     dst.mkdir()
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=n, intermediate_size=k,
+                                   num_hidden_layers=1, num_attention_heads=1,
+                                   num_key_value_heads=1, head_dim=n, tie_word_embeddings=True,
+                                   max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    module = "model.layers.0.mlp.down_proj"
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()
+               if name != f"{module}.weight" and name != "lm_head.weight"}
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    tensors = gptq_module_tensors(GroupQuant(codes, torch.rand(n, k // group), None, group))
-    save_file({f"model.layers.0.mlp.down_proj.{t}": v for t, v in tensors.items()},
-              str(dst / "model.safetensors"))
-    config = json.loads(json.dumps(config))
-    config["quantization_config"].update(sym=True, group_size=group, dynamic={})
-    (dst / "config.json").write_text(json.dumps(config))
+    quant = gptq_module_tensors(GroupQuant(codes, torch.rand(n, k // group), None, group))
+    tensors.update({f"{module}.{t}": v for t, v in quant.items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    out = cfg.to_dict()
+    out["architectures"] = ["LlamaForCausalLM"]
+    out["torch_dtype"] = "bfloat16"
+    qcfg = json.loads(json.dumps(config["quantization_config"]))
+    qcfg.update(sym=True, group_size=group,
+                dynamic={r"-:model\.layers\.0\.(self_attn\..*|mlp\.(gate|up)_proj)": {}})
+    out["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(out))
     return dst
 
 
@@ -403,11 +453,56 @@ def test_load_quantized_is_exposed_lazily():
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
-def test_load_quantized_refuses_what_is_not_cpu_int4(gptq_artifact: Path):
+def test_load_quantized_takes_gptq_through_the_registry(tiny_llama: Path, tmp_path: Path):
+    """One symmetric run written as GPTQ and as cpu_int4: ``load_quantized`` of the GPTQ
+    directory (repacked on the way in by convert's exact repack) holds the very bytes of the
+    cpu_int4 directory's modules and gives identical logits; both are within bf16 arithmetic of
+    the float32 model of the dequantized weights."""
+    from cpu_quant import load_quantized
+    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.eval.dequantized import load_model
+    from cpu_quant.formats import parse_formats
+    from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
+
+    dst = tmp_path / "q"
+    settings = QuantSettings(method="rtn", calib="none", scale_search=False, group_size=64)
+    quantize_checkpoint(tiny_llama, dst, settings, parse_formats("gptq,cpu_int4"), progress=False)
+    from_gptq, from_int4 = load_quantized(dst / "gptq"), load_quantized(dst / "cpu_int4")
+    quantized = [n for n, m in from_int4.named_modules() if isinstance(m, rt.Int4PackedLinear)]
+    assert len(quantized) == 2 * 7 + 1  # every linear and the head
+    for name in quantized:
+        a, b = from_gptq.get_submodule(name), from_int4.get_submodule(name)
+        assert isinstance(a, rt.Int4PackedLinear), name
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scale_zeros, b.scale_zeros), name
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = from_gptq(input_ids=ids).logits.float()
+        assert torch.equal(got, from_int4(input_ids=ids).logits.float())
+        ref = load_model(dst / "gptq")(input_ids=ids).logits.float()
+    # bf16 activations through two layers against float32: measured cosine > 0.9999 here
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.999, cos
+
+
+@pytest.mark.parametrize("fixture", ["gptqmodel_v1", "transformers_v2"])
+def test_load_quantized_refuses_what_it_cannot_hold_exactly(fixture: str):
+    """Foreign GPTQ checkpoints with fp16 scales: bf16 (the kernel's scale dtype) would round
+    them, so the load is refused with one message naming the module and suggesting convert."""
     from cpu_quant import load_quantized
 
-    with pytest.raises(CpuQuantError, match="is not a cpu_int4 checkpoint"):
-        load_quantized(gptq_artifact)
+    path = REPO / "tests" / "fixtures" / "foreign" / fixture
+    with pytest.raises(CpuQuantError) as exc:
+        load_quantized(path)
+    message = str(exc.value)
+    assert "\n" not in message and "cannot hold these weights exactly" in message
+    assert f"cpu-quant convert {path} DST --to cpu_int4" in message
+
+
+def test_load_quantized_refuses_a_format_it_does_not_read(tiny_llama: Path):
+    from cpu_quant import load_quantized
+
+    with pytest.raises(CpuQuantError, match="not a checkpoint load_quantized reads .*cpu_int4"):
+        load_quantized(tiny_llama)  # bf16, no quantization_config
 
 
 # -- runtimes: vLLM, load_quantized, the torch reference -----------------------------------------
@@ -428,7 +523,10 @@ def vllm_run(asym_artifact: Path, prompt_ids, tmp_path_factory) -> dict:
     here; the compiled graph is covered by the dynamo test above and by the benchmark, which
     serves this layout compiled."""
     results, log = _vllm_greedy(asym_artifact, prompt_ids, tmp_path_factory.mktemp("vllm"),
-                                plugins=None, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                                plugins=None, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                   # the re-scoring prefill (4 sequences) above
+                                                   # the threshold on every CPU's row
+                                                   "CPU_QUANT_INT4_KERNEL_MAX_ROWS": "16"},
                                 extra_args=(json.dumps({"enable_prefix_caching": False}),
                                             "--rescore"))
     info = [ln for ln in log.splitlines() if ln.startswith("INFO {")]
@@ -468,7 +566,7 @@ def test_vllm_prefill_and_decode_paths_agree(vllm_run: dict):
     when the whole sequence is re-scored in one prefill (dequantize + bf16 GEMM)."""
     calls = vllm_run["path_calls"]
     # the knobs are connected: decode steps ran the kernel, the re-scoring prefill (4 sequences,
-    # well over 64 rows) the dequantize path
+    # well over the 16 rows the engine was given as its threshold) the dequantize path
     assert calls["generate"]["kernel"] > 0, calls
     assert calls["rescore"]["dequantize"] > 0, calls
     worst = 0.0

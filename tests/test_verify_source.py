@@ -17,17 +17,15 @@ from safetensors.torch import load_file, save_file
 from cpu_quant.formats.gptq import gptq_module_tensors
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
 
-from .conftest import run_cli
+from .hostile.generate import invoke
 
-RTN = ["--method", "rtn", "--calib", "none", "--group", "32", "--no-eval"]
 LAYER = "model.layers.0."
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("verify-source") / "q"
-    run_cli("gptq", str(tiny_llama), str(dst), *RTN)
-    return dst
+def artifact(hostile_bases) -> Path:
+    """A round-to-nearest GPTQ artifact (group 32, head quantized) of the tiny model."""
+    return hostile_bases.quant / "gptq"
 
 
 def _rewrite(q: Path, edit) -> None:
@@ -65,8 +63,8 @@ def _permute_rows(t: dict) -> None:
 
 
 def test_a_correct_artifact_passes(artifact, tiny_llama):
-    proc = run_cli("verify", str(artifact), "--source", str(tiny_llama), "--json", check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = invoke(["verify", artifact, "--source", tiny_llama, "--json"])
+    assert proc.exit_code == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(proc.stdout)  # one JSON document, nothing else on stdout
     src = doc["source"]
     assert src["modules"] == 15 and src["weighting"] == "none" and src["threshold_db"] == 6.0
@@ -80,17 +78,16 @@ def test_a_correct_artifact_passes(artifact, tiny_llama):
     ("scales", "mlp.up_proj", "wrong scales"),
     ("permute", "mlp.gate_proj", "matches no source weight"),
 ])
-@pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_a_broken_artifact_fails_naming_the_module(artifact, tiny_llama, tmp_path, fault, module,
                                                    needle):
     q = Path(shutil.copytree(artifact, tmp_path / "q"))
     edit = {"swap": _swap_k_v, "transpose": lambda t: _transpose_o_proj(t, tiny_llama),
             "scales": _scales_x1000, "permute": _permute_rows}[fault]
     _rewrite(q, edit)
-    plain = run_cli("verify", str(q), check=False)
-    assert plain.returncode == 0, plain.stdout[-2000:]  # what the structural checks cannot see
-    proc = run_cli("verify", str(q), "--source", str(tiny_llama), check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    plain = invoke(["verify", q])
+    assert plain.exit_code == 0, plain.stdout[-2000:]  # what the structural checks cannot see
+    proc = invoke(["verify", q, "--source", tiny_llama])
+    assert proc.exit_code == 1 and not proc.traceback, proc.stderr[-2000:]
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")]
     assert any(LAYER + module in ln and needle in ln for ln in errors), errors
     assert all(" source " in ln for ln in errors), errors

@@ -1,5 +1,9 @@
 """`vllm serve` on a cpu-quant GPTQ artifact, over HTTP, held to the artifact's dequantized weights.
 
+The server runs as a user runs it: the cpu_quant plugin installed, none of its switches set, so
+GPTQ layers run on the kernel this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` names
+(tinygemm on x86 without AMX, which is also what makes GPTQ servable on AVX2-only CPUs).
+
 End-to-end tier: quantizes the demo model (session fixture ``gptq_artifact``), starts the real
 ``vllm`` console script on loopback, and asks ``/v1/completions`` and ``/v1/chat/completions``
 for greedy tokens. Needs the ``vllm`` metadata alias (``python -m cpu_quant.vllm_alias``,
@@ -91,16 +95,27 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def _on_tinygemm() -> bool:
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    return serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
+
+
 @contextmanager
-def vllm_server(model_dir: Path, log: Path, env: dict | None = None) -> Iterator[str]:
-    """``vllm serve model_dir`` on 127.0.0.1 (a free port); yields the base URL once healthy."""
+def vllm_server(model_dir: Path, log: Path, env: dict | None = None, clean: bool = False
+                ) -> Iterator[str]:
+    """``vllm serve model_dir`` on 127.0.0.1 (a free port); yields the base URL once healthy.
+    ``clean``: none of cpu_quant's ``CPU_QUANT_*`` switches, nor vLLM's W4A8 switch, reaches the
+    server (as on a user's machine)."""
     vllm_cli = Path(sys.executable).with_name("vllm")
     assert vllm_cli.is_file(), f"no vllm console script beside {sys.executable}"
     port = _free_port()
     cmd = [str(vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "512",
            "--enforce-eager", "--seed", "0"]
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    base_env = {k: v for k, v in os.environ.items()
+                if not (clean and (k.startswith("CPU_QUANT_") or k == "VLLM_CPU_INT4_W4A8"))}
+    full_env = dict(base_env, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -185,14 +200,14 @@ def test_vllm_serve_answers_like_the_dequantized_weights(gptq_artifact: Path, tm
                     "python -m cpu_quant.vllm_alias (scripts/setup.sh does)")
     tok = AutoTokenizer.from_pretrained(gptq_artifact)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    # stock vLLM's GPTQ path: no opt-in kernel of our plugin
-    env = {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "0"}
+    # as a user runs it: the plugin installed, no switch of ours set, so the kernel is the one
+    # this CPU's kernel-table row names
     log = tmp_path / "vllm-serve.log"
-    with vllm_server(gptq_artifact, log, env) as base:
+    with vllm_server(gptq_artifact, log, clean=True) as base:
         completions = complete(base, prompts)
         chat_prompt, chat_tokens, chat_top, chat_text = chat(base)
-    assert "Using CPUWNA16LinearKernel for AutoGPTQLinearMethod" in log.read_text(), \
-        _log_tail(log)
+    kernel = "GptqTinygemmLinearKernel" if _on_tinygemm() else "CPUWNA16LinearKernel"
+    assert f"Using {kernel} for AutoGPTQLinearMethod" in log.read_text(), _log_tail(log)
 
     # the artifact's chat template, rendered by vLLM as by transformers
     assert chat_prompt == tok.apply_chat_template(CHAT, add_generation_prompt=True,

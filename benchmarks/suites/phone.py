@@ -1,14 +1,21 @@
-"""Suite ``phone``: XNNPACK programs for phone CPUs, fp32 vs 8da8w vs 8da4w, on this CPU.
+"""Suite ``phone``: ExecuTorch programs for phones, on this CPU: XNNPACK fp32 vs 8da8w vs
+8da4w, and QNN's w8a16 and 16a4w programs on ExecuTorch's portable kernels.
 
-Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone --backend xnnpack``:
+Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
 
 ``fp32``    float32 weights and activations, delegated to XNNPACK
-``8da8w``   int8 weights per channel, int8 activations quantized per token at run time
-``8da4w``   int4 weights in groups of 32, int8 activations per token
+``8da8w``   int8 weights per channel (weighted scale search), int8 activations per token at run
+            time
+``8da4w``   int4 GPTQ codes in groups of 32 (the export's own calibrated GPTQ run, positive
+            scales), int8 activations per token
+``w8a16``   QNN: int8 weights per channel, calibrated uint16 activations; without the Qualcomm
+            SDK the program runs on ExecuTorch's portable kernels on this host (not the HTP)
+``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable
+            kernels likewise
 
 **Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme S`` exports
 the source with ``cpu_quant.export.pipeline.export_phone`` (static KV cache, ``prefill`` and
-``decode`` methods, verification against its own quantized eager graph on held-out text
+``decode`` methods, verification of the ``.pte`` against the float source on held-out text
 included) into the arm's build directory. The harness records the build's wall time and peak
 RssAnon (``result["builds"]``); the export's own phase times (load, quantize and lower, write,
 verify) are in every pass's extras. Export time is a single measurement per run, not a median.
@@ -50,9 +57,9 @@ from .quantize import SuiteOptions, select
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = {"max_seq_len": 128, "prefill_len": 64, "prompt_tokens": 64, "gen_tokens": 32,
-        "verify_windows": 4}
+        "verify_windows": 4, "gptq_samples": 128, "gptq_seqlen": 512}
 SMOKE = {"max_seq_len": 48, "prefill_len": 16, "prompt_tokens": 16, "gen_tokens": 8,
-         "verify_windows": 1}
+         "verify_windows": 1, "gptq_samples": 8, "gptq_seqlen": 64}
 TIMEOUT = {"export": 2 * 3600, "measure": 1800}
 TIMEOUT_SMOKE = {"export": 600, "measure": 300}
 SMOKE_MODEL_VERSION = 1
@@ -62,7 +69,8 @@ METRICS = [
     Metric("prefill_tok_s", "tok/s", "higher"),
     Metric("pte_bytes", "B", "lower"),
 ]
-VERIFICATION_KEYS = ("pte_vs_float", "pte_vs_quantized", "quantized_vs_float", "perplexity")
+VERIFICATION_KEYS = ("pte_vs_float", "pte_vs_quantized", "quantized_vs_float", "perplexity",
+                     "perplexity_ratio", "passed")
 
 
 def smoke_model(dst: Path) -> Path:
@@ -96,7 +104,9 @@ def _bench_argv(src: Path, settings: dict) -> list[str]:
             "--prefill-len", str(settings["prefill_len"]),
             "--prompt-tokens", str(settings["prompt_tokens"]),
             "--gen-tokens", str(settings["gen_tokens"]),
-            "--verify-windows", str(settings["verify_windows"])]
+            "--verify-windows", str(settings["verify_windows"]),
+            "--gptq-samples", str(settings["gptq_samples"]),
+            "--gptq-seqlen", str(settings["gptq_seqlen"])]
 
 
 def check_export(export_dir: Path, scheme: str, settings: dict) -> dict:
@@ -104,7 +114,7 @@ def check_export(export_dir: Path, scheme: str, settings: dict) -> dict:
     report = json.loads((export_dir / "export_report.json").read_text())
     s = report["settings"]
     got = (report["backend"], report["scheme"], s["max_seq_len"], s["prefill_len"])
-    want = ("xnnpack", scheme, settings["max_seq_len"], settings["prefill_len"])
+    want = (pb.BACKEND[scheme], scheme, settings["max_seq_len"], settings["prefill_len"])
     if got != want:
         raise ValueError(f"{export_dir}: export (backend, scheme, max_seq_len, prefill_len) = "
                          f"{got}, the arm wants {want}")
@@ -158,10 +168,12 @@ def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
         return {"load_s": rec["load_s"], "runtime_threads": rec["threads"],
                 "export_timings_s": report["timings_s"],
                 "pte_ratio_vs_float32_params": report["sizes"]["ratio_vs_float32"],
-                "verification": {k: report["verification"].get(k) for k in VERIFICATION_KEYS}}
+                "verification": {k: report["verification"].get(k) for k in VERIFICATION_KEYS},
+                "weights": report.get("weights"), "stored_weights": report.get("stored_weights")}
 
-    return Arm(scheme, {"backend": "xnnpack", "scheme": scheme,
-                        "group_size": 32 if scheme == "8da4w" else None, "source": str(src),
+    return Arm(scheme, {"backend": pb.BACKEND[scheme], "scheme": scheme,
+                        "group_size": {"8da4w": 32, "16a4w": -1}.get(scheme),
+                        "source": str(src),
                         "prebuilt": str(prebuilt) if prebuilt else None},
                command, collect, build=None if prebuilt else build_cmd,
                artifacts=lambda ctx: {"model.pte": export_dir(ctx) / "model.pte"},
@@ -194,13 +206,14 @@ def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
             check_source(given[arm.name], src)
     return Suite(
         name="phone",
-        description=("ExecuTorch XNNPACK programs (fp32, 8da8w, 8da4w) on this CPU: .pte size, "
-                     "export time (one build per arm) and prefill/decode tokens/s through the "
-                     "ExecuTorch runtime, batch 1, "
+        description=("ExecuTorch programs on this CPU, XNNPACK (fp32, 8da8w, 8da4w) and QNN's "
+                     "w8a16 and 16a4w on the portable kernels: .pte size, export time (one "
+                     "build per arm) and prefill/decode tokens/s through the ExecuTorch "
+                     "runtime, batch 1, "
                      + (f"SMOKE, {src.name}" if smoke else src.name)),
         metrics=METRICS,
         arms=chosen,
-        settings={"source": str(src), "backend": "xnnpack", **settings,
+        settings={"source": str(src), **settings,
                   "runtime": "ExecuTorch Python runtime (pybindings), greedy, batch 1"},
         baseline=pb.BASELINE if any(a.name == pb.BASELINE for a in chosen) else None,
         inputs={"source_model": src},

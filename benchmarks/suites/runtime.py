@@ -14,23 +14,27 @@ through ``kv_cache_memory_bytes``, a private ``VLLM_CACHE_ROOT`` per arm) and me
 Arms (baseline ``bf16``):
 
 ``bf16``      the demo model's checkpoint (vLLM's unquantized CPU GEMM)
-``gptq``      ``cpu-quant``'s GPTQ layout, served by stock vLLM (its log must name
-              ``CPUWNA16LinearKernel``)
-``gptq_tinygemm``  the ``gptq`` checkpoint with the plugin's opt-in kernel
-              (``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``: symmetric GPTQ layers on tinygemm; its log
-              must hold the kernel's line); not in the smoke run unless asked for
+``gptq``      ``cpu-quant``'s GPTQ layout as users serve it: the cpu_quant plugin installed, no
+              switch set, so the kernel this CPU's row of ``cpu_quant.probe.KERNEL_TABLE``
+              names (tinygemm on x86 without AMX; its log must hold the plugin's per-layer-type
+              tinygemm line, or vLLM's ``CPUWNA16LinearKernel`` line where the row keeps vLLM's)
+``gptq_stock``  the ``gptq`` checkpoint with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: stock vLLM's
+              kernel (its log must name ``CPUWNA16LinearKernel``); not in the smoke run
 ``cpu_int4``  ``cpu-quant``'s tinygemm layout, served through the cpu_quant plugin (its log must
               hold the tinygemm layout line)
+
+Every pass also records the RssAnon attribution (``tinygemm_bench.memory_attribution``: per
+process, and the worker's counted weights and KV cache) in its extras.
 
 The quantized checkpoints are built data-free (RTN, no calibration, no scale search) in the
 work directory before the passes (``tinygemm_bench.build_artifacts``): decode speed does not
 depend on trained or calibrated weights, so what is measured is the layout and its kernel.
 ``--artifact ARM=DIR`` serves DIR for that arm instead (the knob check above still applies).
 
-**AVX-512.** vLLM's CPU GPTQ kernel exists only in its AVX-512 builds (see
-``gptq_kernel_missing``): on a CPU without AVX-512 a real run refuses to start while ``gptq``
-is among its arms (``--arms bf16,gptq_tinygemm,cpu_int4`` measures the others), and a smoke run skips the arm
-and writes why into the result (``skipped_arms``).
+**Stock vLLM without AVX-512.** vLLM's own CPU GPTQ kernel exists only in its AVX-512 builds
+(``cpu_quant.probe.stock_vllm_gptq_unavailable``): on a CPU without AVX-512 a real run refuses
+to start while ``gptq_stock`` is among its arms, and a smoke run skips the arm and writes why
+into the result (``skipped_arms``). The ``gptq`` arm runs there through the plugin's kernel.
 
 Smoke mode (CI): the quantize suite's 2-layer random Llama (hidden 64, the demo tokenizer)
 through real vLLM, ``enforce_eager``, 8 decode tokens and a 32-token prefill prompt. Measured
@@ -55,12 +59,12 @@ REAL = {"decode_tokens": 64, "prompt_len": tb.PROMPT_LEN, "eager": False}
 SMOKE = {"decode_tokens": 8, "prompt_len": 32, "eager": True}
 
 
-def gptq_kernel_missing() -> str | None:
-    """Why vLLM cannot run the ``gptq`` arm on this CPU, or None when it can
-    (``cpu_quant.probe.vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
-    from cpu_quant.probe import read_machine, vllm_gptq_unavailable
+def stock_gptq_kernel_missing() -> str | None:
+    """Why stock vLLM cannot run the ``gptq_stock`` arm on this CPU, or None when it can
+    (``cpu_quant.probe.stock_vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
+    from cpu_quant.probe import read_machine, stock_vllm_gptq_unavailable
 
-    return vllm_gptq_unavailable(read_machine())
+    return stock_vllm_gptq_unavailable(read_machine())
 
 
 def build(opts: SuiteOptions) -> Suite:
@@ -75,18 +79,18 @@ def build(opts: SuiteOptions) -> Suite:
         raise ValueError(f"unknown arm(s) {', '.join(bad)}; known: {', '.join(tb.ARMS)}")
     wanted = [a for a in tb.ARMS if not opts.arms or a in opts.arms]
     skipped = []
-    if opts.smoke and not opts.arms and "gptq_tinygemm" in wanted:
-        # the same engine path as cpu_int4's op with the gptq arm's checkpoint; its load and
-        # generation are tested (tests/test_gptq_end_to_end.py), so CI's smoke run saves the start
-        skipped.append(SkippedArm("gptq_tinygemm", "smoke: tested by test_gptq_end_to_end.py"))
-        wanted.remove("gptq_tinygemm")
-    why = gptq_kernel_missing()
-    if why and "gptq" in wanted:
+    if opts.smoke and not opts.arms and "gptq_stock" in wanted:
+        # stock vLLM's GPTQ engine path (the plugin's kernel switched off) is tested by
+        # tests/test_gptq_end_to_end.py where vLLM has it, so CI's smoke run saves the start
+        skipped.append(SkippedArm("gptq_stock", "smoke: tested by test_gptq_end_to_end.py"))
+        wanted.remove("gptq_stock")
+    why = stock_gptq_kernel_missing()
+    if why and "gptq_stock" in wanted:
         if not opts.smoke:  # only a smoke run may skip an arm: stop before any quantization
-            raise ValueError(f"the gptq arm cannot run here: {why}; measure the other arms "
-                             "with --arms bf16,gptq_tinygemm,cpu_int4")
-        skipped.append(SkippedArm("gptq", why))
-        wanted.remove("gptq")
+            raise ValueError(f"the gptq_stock arm cannot run here: {why}; measure the other "
+                             "arms with --arms bf16,gptq,cpu_int4")
+        skipped.append(SkippedArm("gptq_stock", why))
+        wanted.remove("gptq_stock")
     src = source_model(opts)
     model = "demo" if opts.source is None and not opts.smoke else src.name
     inputs = opts.workdir / "inputs"

@@ -45,11 +45,12 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
                             "save the reference's logits only")
     ref_path = resolve_checkpoint(reference, "--reference") if reference else None
     settings.validate()
-    if output_json:  # before minutes of evaluation, not after
-        from ..io.artifact import check_destination
+    from ..io.artifact import check_destination
 
-        check_destination(output_json, [p for p in (quant, reference) if p], overwrite=True,
-                          directory=False)
+    for written in (output_json, save_reference):  # before minutes of evaluation, not after
+        if written:
+            check_destination(written, [p for p in (quant, reference) if p], overwrite=True,
+                              directory=False)
     doc: dict = {"command": "eval", "quantized": quant, "reference": str(ref_path) if ref_path else None,
                  "reference_logits": reference_logits, "settings": settings.__dict__.copy()}
     t0 = time.perf_counter()
@@ -74,8 +75,10 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
         doc["provenance"] = _eval_provenance(settings)
         emit(doc)
     if output_json:
+        from ..io.artifact import write_text_atomic
+
         try:
-            Path(output_json).write_text(json_text(doc) + "\n")
+            write_text_atomic(Path(output_json), json_text(doc) + "\n")
         except OSError as exc:
             raise CpuQuantError(f"cannot write --output-json {output_json}: "
                                 f"{exc.strerror or exc}") from None

@@ -14,15 +14,23 @@ import torch
 
 from ..errors import CpuQuantError
 from ..formats import format_for_quant_method
-from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.checkpoint import (
+    Checkpoint,
+    check_float_weights,
+    empty_causal_lm,
+    load_hf_config,
+    open_checkpoint,
+    tensors_disagree,
+)
 
 
 def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     qcfg = ckpt.config.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     state: dict[str, torch.Tensor] = {}
-    if method is None:
-        return {n: ckpt.tensor(n).to(dtype) for n in ckpt.names}
+    if method is None:  # a float model: it must be one (the reference's NaN is refused here)
+        check_float_weights(ckpt)
+        return {n: ckpt.tensor(n, check_finite=True).to(dtype) for n in ckpt.names}
     fmt = format_for_quant_method(method)
     if fmt is None:
         raise CpuQuantError(f"unsupported quant_method {method!r}")
@@ -36,29 +44,41 @@ def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, to
     return state
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """A transformers model holding the (dequantized) weights of ``path``; float or quantized."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    ckpt = open_checkpoint(path)
-    config = AutoConfig.from_pretrained(ckpt.path)
+def _empty_model(ckpt: Checkpoint, dtype: torch.dtype):
+    """(the model ``ckpt``'s config builds, without memory; whether its head is tied), or a
+    one-line error for a config transformers cannot read or build."""
+    config = load_hf_config(ckpt.path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return empty_causal_lm(config, dtype), bool(getattr(config, "tie_word_embeddings", False))
+
+
+def check_float_model(ckpt: Checkpoint) -> None:
+    """Refuse, before any work, a float checkpoint that cannot be loaded: integer weights, or a
+    config that transformers cannot build or that its tensors disagree with."""
+    check_float_weights(ckpt)
+    model, tied = _empty_model(ckpt, torch.float32)
+    problem = tensors_disagree(model, {n: ckpt.shape(n) for n in ckpt.names}, tied)
+    if problem:
+        raise CpuQuantError(f"config disagrees with the tensors: {problem}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A transformers model holding the (dequantized) weights of ``path``; float or quantized.
+    A config transformers cannot read or build, or one its tensors disagree with, is a
+    one-line error."""
+    ckpt = open_checkpoint(path)
+    model, tied = _empty_model(ckpt, dtype)
     state = dequantized_state_dict(ckpt, dtype)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+    problem = tensors_disagree(model, {n: tuple(t.shape) for n, t in state.items()}, tied)
+    if problem:
+        raise CpuQuantError(f"{path}: config disagrees with the tensors: {problem}")
+    if tied and "lm_head.weight" not in state:
         emb = model.get_input_embeddings()
         emb_name = next(n for n, m in model.named_modules() if m is emb) + ".weight"
         state["lm_head.weight"] = state[emb_name]
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not m.endswith("inv_freq")]
-    if missing or unexpected:
-        bad = (missing or unexpected)[0]
-        kind = "missing" if missing else "unexpected"
-        raise CpuQuantError(f"{path}: tensors and config disagree ({kind} {bad})")
-    if getattr(config, "tie_word_embeddings", False):
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
         model.tie_weights()
     ckpt.close()
     return model.eval()

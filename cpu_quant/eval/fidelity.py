@@ -264,18 +264,39 @@ def _finite(logprobs: torch.Tensor, which: str) -> torch.Tensor:
     return logprobs
 
 
-def _check_context(path: str | Path, settings: EvalSettings) -> None:
-    context = model_context(open_checkpoint(path).config)
+def _check_checkpoint(label: str, path: str | Path, settings: EvalSettings,
+                      float_weights: bool = False) -> None:
+    """Before any work: the checkpoint opens (its config, headers and index are sound), a float
+    model where one is expected (``float_weights``: the reference) loads, and the windows fit
+    its context."""
+    from .dequantized import check_float_model
+
+    try:
+        ckpt = open_checkpoint(path)
+        if float_weights:
+            check_float_model(ckpt)
+    except CpuQuantError as exc:
+        raise CpuQuantError(f"{label}: {exc}") from None
+    ckpt.close()
+    context = model_context(ckpt.config)
     if context is not None and max(settings.seqlen, settings.prompt_len + settings.new_tokens) > context:
-        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
-                            f"{context} tokens (max_position_embeddings)")
+        raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the context of {label} "
+                            f"{path}, {context} tokens (max_position_embeddings)")
 
 
-def _check_checkpoint_dir(label: str, path: str | Path) -> None:
-    if not Path(path).is_dir():
-        raise CpuQuantError(f"{label} {path} is not a directory")
-    if not (Path(path) / "config.json").is_file():
-        raise CpuQuantError(f"{label} {path} has no config.json")
+def _check_consistent(path: str | Path) -> None:
+    """A quantized checkpoint that verify finds damaged (scales that disagree with the config's
+    group, a missing or mis-typed tensor, a bad dynamic rule, a non-finite scale) is refused,
+    not scored."""
+    if ("quantization_config" not in open_checkpoint(path).config
+            and not (Path(path) / "quantize_config.json").is_file()):
+        return  # a float model: nothing quantized to check
+    from ..verify.checks import damage
+
+    why = damage(path)
+    if why:
+        raise CpuQuantError(f"QUANT {path} fails verify ({why}); `cpu-quant verify {path}` "
+                            "lists what is wrong")
 
 
 def _load_tokenizer(path: str | Path):
@@ -297,8 +318,7 @@ def save_reference_logits(reference_path: str | Path, path: str | Path,
 
     settings = settings or EvalSettings()
     settings.validate()
-    _check_checkpoint_dir("--reference", reference_path)
-    _check_context(reference_path, settings)
+    _check_checkpoint("--reference", reference_path, settings, float_weights=True)
     tok = _load_tokenizer(reference_path)
     texts = _heldout_texts(settings)
     scored, prompts = _eval_windows(tok, settings, texts)
@@ -332,17 +352,17 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | N
 
     settings = settings or EvalSettings()
     settings.validate()
-    _check_checkpoint_dir("quantized checkpoint", quantized_path)
-    _check_context(quantized_path, settings)
+    if reference_logits is None and reference_path is None:
+        raise CpuQuantError("give --reference SRC or --reference-logits FILE")
+    texts = _heldout_texts(settings)  # a bad --text file, before any model is read
+    _check_checkpoint("QUANT", quantized_path, settings)
     if reference_logits is None:
-        if reference_path is None:
-            raise CpuQuantError("give --reference SRC or --reference-logits FILE")
-        _check_checkpoint_dir("--reference", reference_path)
+        _check_checkpoint("--reference", reference_path, settings, float_weights=True)
+    _check_consistent(quantized_path)  # verify's checks: after the quick ones of both sides
+    saved = load_reference(reference_logits) if reference_logits is not None else None
     tok = _load_tokenizer(reference_path if reference_logits is None else quantized_path)
-    texts = _heldout_texts(settings)
     scored, prompts = _eval_windows(tok, settings, texts)
-    if reference_logits is not None:
-        saved = load_reference(reference_logits)
+    if saved is not None:
         saved.check_matches(scored, prompts, text_fingerprint(texts), asdict(settings),
                             Path(reference_logits))
         reference: FreshReference | StoredReference = StoredReference(saved)

@@ -143,12 +143,16 @@ def load_reference(path: str | Path) -> SavedReference:
             t = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
     except (SafetensorError, OSError) as exc:
         raise CpuQuantError(f"cannot read --reference-logits {path}: {exc}") from None
-    head = t["head"].float()
-    per_window = [WindowReference(t["hidden"][i], head, t["lse"][i], t["nll"][i])
-                  for i in range(t["hidden"].shape[0])]
-    return SavedReference(t["windows"].long(), t["prompts"].long(), t["greedy"].long(), per_window,
-                          meta["text_sha256"], json.loads(meta["settings"]),
-                          meta.get("reference", ""))
+    try:
+        head = t["head"].float()
+        per_window = [WindowReference(t["hidden"][i], head, t["lse"][i], t["nll"][i])
+                      for i in range(t["hidden"].shape[0])]
+        return SavedReference(t["windows"].long(), t["prompts"].long(), t["greedy"].long(),
+                              per_window, meta["text_sha256"], json.loads(meta["settings"]),
+                              meta.get("reference", ""))
+    except (KeyError, IndexError, ValueError) as exc:  # a damaged or hand-made file
+        raise CpuQuantError(f"--reference-logits {path} is not a whole file written by "
+                            f"--save-reference ({type(exc).__name__}: {exc})") from None
 
 
 def check_factored(window: WindowReference, logits: torch.Tensor, what: str) -> None:

@@ -3,8 +3,9 @@
 The default (``DEFAULT_EVAL``) takes about 2 minutes on the demo model (SmolLM2-135M) on 2
 idle cores: 98 s wall and 183 CPU-seconds, the median of 3 passes of the whole command with the
 bf16 reference run afresh (the ``eval`` benchmark suite, ``eval-20261202T211940Z.json``).
-``--full`` (``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (not measured; by its size, about 4× the default's work). The quick check that ``cpu-quant gptq`` runs at the end is
-``EvalSettings.quick()``.
+``--full`` (``FULL_EVAL``) scores 4× the tokens and 2.7× the greedy tokens (not measured; by
+its size, about 4× the default's work). The quick check that ``cpu-quant gptq`` runs at the end
+is ``EvalSettings.quick()``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
 """``export_phone``: checkpoint in, verified ExecuTorch program directory out.
 
-Stages: read and check the checkpoint → build the float static graph (``model``) → quantize for
-the backend (``qnn`` calibrates; ``xnnpack`` quantizes activations at run time) → export the
-``prefill`` (``prefill_len`` rows) and ``decode`` (1 row) methods → lower → write into a staging
-directory → run the written ``.pte`` through ExecuTorch's runtime (``verify``) → rename into
-place. A program that fails verification raises ``VerificationFailed`` and leaves nothing behind.
+Stages: read and check the checkpoint → build the float static graph (``model``) and score it
+on the held-out text → decide the integer weights (``weights``: the calibrated GPTQ codes for
+4-bit schemes, from ``--quantized`` or a GPTQ run made here; the weighted scale search for 8-bit
+ones) → quantize for the backend (``xnnpack`` puts the weights into torchao's tensor type and
+quantizes activations at run time; ``qnn`` calibrates its activation observers) → export the
+``prefill`` (``prefill_len`` rows) and ``decode`` (1 row) methods → screen the quantized eager
+graph against the float model (``verify.screen``) → lower → write into a staging directory →
+read the XNNPACK program's weights back (``readback``) → run the written ``.pte`` through
+ExecuTorch's runtime against float and against its eager graph (``verify``) → rename into
+place. A program that fails any check raises ``VerificationFailed`` and leaves nothing behind.
 
 Output directory:
 
@@ -18,15 +23,17 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..data.corpus import load_texts
 from ..errors import CpuQuantError, Interrupted, VerificationFailed
 from ..io.artifact import StagedOutput, check_destination
-from ..io.checkpoint import load_tokenizer
-from . import qnn, xnnpack
+from ..io.checkpoint import check_float_weights, load_tokenizer, open_checkpoint
+from . import qnn, readback, xnnpack
+from . import weights as phone_weights
 from .model import (
     StaticCausalLM,
     check_max_seq_len,
@@ -36,11 +43,15 @@ from .model import (
     use_mean4d_norms,
 )
 from .report import count_ops, float32_bytes, json_safe, provenance, sha256_file
-from .runner import GraphShape
-from .verify import PROMPTS, pte_step_functions, verify
+from .runner import GraphShape, StaticKVRunner
+from .smooth import smooth_static_lm
+from .verify import PROMPTS, pte_step_functions, score_heldout, screen, verify
 
 BACKENDS = ("qnn", "xnnpack")
 DEFAULT_SCHEME = {"qnn": "w8a16", "xnnpack": "8da8w"}
+FOUR_BIT_SCHEMES = ("8da4w", "16a4w")  # their 4-bit weights are the GPTQ codes
+PHONE_GROUPS = (32, 64, 128)  # XNNPACK's blockwise int4 takes multiples of 32; GPTQ these
+SMOOTHING_ALPHA = 0.5  # 8da8w's activation smoothing (quantize.smoothing)
 # n-gram length for the calibration/held-out overlap check: long enough that common phrases
 # do not collide, short enough to catch a held-out passage pasted into --calib.
 OVERLAP_NGRAM = 24
@@ -48,7 +59,8 @@ OVERLAP_NGRAM = 24
 
 # the settings that are command-line options, by their flag; the rest only the Python API sets
 SETTING_NAMES = {"prefill_len": "--prefill-len", "calib_samples": "--calib-samples",
-                 "max_seq_len": "--max-seq-len", "group_size": "--group-size"}
+                 "max_seq_len": "--max-seq-len", "group_size": "--group-size",
+                 "gptq_samples": "--gptq-samples", "gptq_seqlen": "--gptq-seqlen"}
 
 
 @dataclass
@@ -62,6 +74,9 @@ class PhoneExportSettings:
     calib_len: int = 128  # tokens per calibration window, capped at max_seq_len
     calib_decode_tokens: int = 8  # of each window, fed through the decode method
     group_size: int = 32  # 8da4w
+    quantized: str | None = None  # a `cpu-quant gptq --positive-scales` artifact (4-bit schemes)
+    gptq_samples: int = 128  # the GPTQ run made here when `quantized` is None
+    gptq_seqlen: int = 512
     verify_windows: int = 4
     verify_len: int = 128  # capped at max_seq_len
     gen_tokens: int = 16
@@ -80,20 +95,52 @@ class PhoneExportSettings:
                                 f"not {scheme!r}")
         if self.backend == "xnnpack" and scheme != "fp32":
             xnnpack.check_scheme(scheme)
-        if self.backend == "xnnpack" and self.calib is not None:
-            raise CpuQuantError("--calib applies to --backend qnn only: the XNNPACK schemes "
-                                "quantize activations at run time and calibrate nothing")
+        if self.quantized is not None and scheme not in FOUR_BIT_SCHEMES:
+            raise CpuQuantError(f"--quantized gives the 4-bit codes of {' and '.join(FOUR_BIT_SCHEMES)}; "
+                                f"--scheme {scheme} does not take them")
+        if self.quantized is not None and not Path(self.quantized).is_dir():
+            raise CpuQuantError(f"--quantized {self.quantized}: not a directory")
+        if self.group_size not in PHONE_GROUPS:
+            raise CpuQuantError(f"--group-size must be one of {', '.join(map(str, PHONE_GROUPS))}, "
+                                f"got {self.group_size}")
         for name, least in (("prefill_len", 1), ("calib_len", 1), ("verify_len", 1),
                             ("verify_windows", 1), ("gen_tokens", 1), ("calib_samples", 0),
-                            ("calib_decode_tokens", 0)):
+                            ("calib_decode_tokens", 0), ("gptq_samples", 1), ("gptq_seqlen", 2)):
             if getattr(self, name) < least:
                 raise CpuQuantError(f"{SETTING_NAMES.get(name, 'PhoneExportSettings.' + name)} "
                                     f"must be >= {least}, got {getattr(self, name)}")
+
+    @property
+    def runs_gptq(self) -> bool:
+        """Whether the export makes its own GPTQ run (a 4-bit scheme without --quantized)."""
+        return self.resolved_scheme in FOUR_BIT_SCHEMES and self.quantized is None
+
+    def gptq_settings(self):
+        """The GPTQ run that gives the 4-bit schemes their codes: the phone's grid (symmetric,
+        positive scales), ``group_size``, the head quantized, calibrated on ``calib``."""
+        from ..quantize.settings import QuantSettings
+
+        # QNN's 16a4w stores one scale per output channel (its blockwise variant re-rounds the
+        # block scales to 4-bit multiples of a channel scale, which would not keep ours)
+        group = -1 if self.resolved_scheme == "16a4w" else self.group_size
+        return QuantSettings(method="gptq", group_size=group, positive_scales=True,
+                             calib=self.calib, samples=self.gptq_samples,
+                             seqlen=self.gptq_seqlen)
 
     def shape(self, model: StaticCausalLM) -> GraphShape:
         s = model.spec
         return GraphShape(s.n_layers, s.n_kv_heads, s.head_dim, s.vocab_size, self.max_seq_len,
                           min(self.prefill_len, self.max_seq_len))
+
+
+@dataclass
+class Quantized:
+    """The quantized programs (not yet lowered) with their eager graphs."""
+
+    programs: dict  # method -> ExportedProgram
+    eager: dict[str, torch.nn.Module]  # method -> quantized eager graph
+    calibration: dict
+    extra_files: dict[str, str] = field(default_factory=dict)  # next to model.pte: name -> what
 
 
 @dataclass
@@ -131,31 +178,38 @@ def eager_graphs(programs: dict) -> dict[str, torch.nn.Module]:
     return {name: constant_prop_pass(copy.deepcopy(ep)).module() for name, ep in programs.items()}
 
 
-def build_xnnpack(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings) -> Built:
-    scheme = settings.resolved_scheme
+def quantize_xnnpack(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings,
+                     weights: phone_weights.PhoneWeights | None, calibration: dict) -> Quantized:
     use_mean4d_norms(model)
-    if scheme != "fp32":
-        xnnpack.quantize_for_xnnpack(model, scheme, settings.group_size)
+    if weights is not None:
+        xnnpack.quantize_for_xnnpack(model, weights, settings.resolved_scheme)
     programs = export_methods({name: model for name in shape.methods()}, shape)
-    eager = eager_graphs(programs)
-    manager = xnnpack.lower_to_xnnpack(programs)
-    calibration = {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                   "note": "XNNPACK schemes quantize activations per token at run time"}
-    return Built(manager, eager, calibration, {})
+    return Quantized(programs, eager_graphs(programs), calibration)
 
 
-def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings,
-              calib_windows: list[list[int]], progress: bool) -> Built:
+def lower_xnnpack(q: Quantized) -> Built:
+    return Built(xnnpack.lower_to_xnnpack(q.programs), q.eager, q.calibration, q.extra_files)
+
+
+def quantize_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings,
+                 calib_windows: list[list[int]], weights: phone_weights.PhoneWeights | None,
+                 progress: bool) -> Quantized:
     from tqdm import tqdm
 
-    prepared = qnn.prepare(model, shape)
+    if weights is not None:  # the activation observers then see what the program computes
+        modules = dict(model.named_modules())
+        for name, lw in weights.linears.items():
+            modules[name].weight.data = lw.dequantize()
+    prepared = qnn.prepare(model, shape, settings.resolved_scheme)
     bar = tqdm(total=len(calib_windows), desc="calibrating", unit="sample", disable=not progress)
     stats = qnn.calibrate(prepared, shape, calib_windows, settings.calib_decode_tokens,
                           progress=bar.update)
     bar.close()
     converted = qnn.convert(prepared)
+    if weights is not None:
+        for graph in converted.values():
+            qnn.put_weights(graph, weights)
     programs = export_methods(converted, shape)
-    eager = eager_graphs(programs)
     calibration = {"source": settings.calib or "austen (built-in calibration split)",
                    **asdict(stats)}
     if not calib_windows:
@@ -164,13 +218,17 @@ def build_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSet
     state = "calibrated" if calib_windows else "UNCALIBRATED"
     extra = {f"qnn_{name}.pt2": f"{state} quantized program (torch.export) for QNN lowering"
              for name in programs}
+    return Quantized(programs, eager_graphs(programs), calibration, extra)
+
+
+def lower_qnn(q: Quantized, shape: GraphShape, settings: PhoneExportSettings) -> Built:
     if qnn.qnn_sdk_root() is not None:
-        manager = qnn.lower_to_qnn(programs, shape, settings.soc)
+        manager = qnn.lower_to_qnn(q.programs, shape, settings.soc)
         lowering = "htp"
     else:
-        manager = qnn.lower_to_portable(programs)
+        manager = qnn.lower_to_portable(q.programs)
         lowering = "not-done"
-    return Built(manager, eager, calibration, extra, lowering, programs)
+    return Built(manager, q.eager, q.calibration, q.extra_files, lowering, q.programs)
 
 
 def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
@@ -180,21 +238,35 @@ def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     return token_windows(tok, builtin_split("heldout"), settings.verify_windows, length)
 
 
-def calibration_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
-    from ..data.corpus import load_texts, token_windows
-
-    texts = load_texts(settings.calib, "calibration")  # a missing --calib is an error even at 0
+def calibration_windows(tok, settings: PhoneExportSettings, texts: list[str]
+                        ) -> list[list[int]]:
+    """``settings.calib_samples`` windows of the calibration ``texts``: they calibrate QNN's
+    activation observers and measure the importance of the 8-bit weights' input channels."""
     if settings.calib_samples == 0:
         return []
     length = min(settings.calib_len, settings.max_seq_len)
+    return _windows(tok, texts, settings.calib_samples, length,
+                    f"min(128, --max-seq-len) = {length}")
+
+
+def gptq_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
+    """The windows the export's own GPTQ run calibrates on (as ``cpu-quant gptq`` picks them)."""
+    if not settings.runs_gptq:
+        return []
+    return _windows(tok, load_texts(settings.calib, "calibration"), settings.gptq_samples,
+                    settings.gptq_seqlen, f"--gptq-seqlen {settings.gptq_seqlen}")
+
+
+def _windows(tok, texts: list[str], samples: int, length: int, what: str) -> list[list[int]]:
+    from ..data.corpus import token_windows
+
     try:
-        return token_windows(tok, texts, settings.calib_samples, length)
+        return token_windows(tok, texts, samples, length)
     except CpuQuantError as exc:  # phrased in the quantize commands' flags; restate in ours
         if "too short" not in str(exc):
             raise
         raise CpuQuantError(f"the calibration text is too short for one window of {length} "
-                            f"tokens (calibration windows are min(128, --max-seq-len) tokens)"
-                            ) from None
+                            f"tokens ({what})") from None
 
 
 def _prompts(tok, settings: PhoneExportSettings) -> tuple[list[str], list[list[int]]]:
@@ -228,11 +300,20 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     check_destination(out, [src], overwrite)
     spec = read_spec(src)
     check_max_seq_len(spec, settings.max_seq_len)
+    ckpt = open_checkpoint(src)  # its headers and index, before minutes of work
+    check_float_weights(ckpt)
+    ckpt.close()
+    # a bad --calib file, before the tokenizer loads (a missing one is an error even at 0)
+    calib_texts = (load_texts(settings.calib, "calibration")
+                   if settings.resolved_scheme != "fp32" or settings.runs_gptq else [])
     tok = load_tokenizer(src)
-    calib_windows = calibration_windows(tok, settings) if settings.backend == "qnn" else []
+    calib_windows = (calibration_windows(tok, settings, calib_texts)
+                     if settings.resolved_scheme != "fp32" else [])
     heldout = heldout_windows(tok, settings)
-    check_no_overlap(calib_windows, heldout)
+    check_no_overlap(calib_windows + gptq_windows(tok, settings), heldout)
     prompt_texts, prompts = _prompts(tok, settings)
+    if settings.quantized is not None:
+        phone_weights.check_same_source(settings.quantized, src)
 
     # Refuse an existing OUT and take the lock before minutes of work; everything is written
     # into the staging directory, which is renamed to OUT only after verification passed.
@@ -247,26 +328,103 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     return report
 
 
+def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, progress: bool
+               ) -> tuple[dict, dict]:
+    """The 4-bit results (by static-graph name) and where they came from: ``--quantized``, or a
+    GPTQ run made here into the staging directory (removed once read)."""
+    import shutil
+
+    from ..formats import get_format
+    from ..quantize.pipeline import quantize_checkpoint
+
+    if settings.quantized is not None:
+        results, qcfg = phone_weights.read_group_quants(settings.quantized)
+        return results, {"origin": "gptq", "quantized": str(Path(settings.quantized).resolve()),
+                         "quantization_config": qcfg}
+    gptq = settings.gptq_settings()
+    target = staged.path(".gptq")
+    quantize_checkpoint(src, target, gptq, [get_format("gptq")], progress=progress)
+    try:
+        results, qcfg = phone_weights.read_group_quants(target)
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+    return results, {"origin": "gptq", "quantized": None, "gptq_run": asdict(gptq),
+                     "quantization_config": qcfg}
+
+
+def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
+                   settings: PhoneExportSettings, calib_windows: list[list[int]],
+                   staged: StagedOutput, progress: bool) -> phone_weights.PhoneWeights | None:
+    """The integer weights of the XNNPACK schemes (``weights``); None for fp32 and for QNN's
+    w8a16, whose weights QNN's quantizer rounds."""
+    scheme = settings.resolved_scheme
+    if scheme in ("fp32", "w8a16"):
+        return None
+
+    def run_calibration() -> None:
+        runner = StaticKVRunner(shape, model, model)
+        for window in calib_windows:
+            runner.score(window)
+
+    # --calib-samples 0: no statistics, so uniform importance and no smoothing
+    stats = phone_weights.activation_stats(model, run_calibration) if calib_windows else {}
+    if scheme == "8da8w" and stats:
+        # its int8 activations gain from the range moved into the 8-bit weights
+        stats = smooth_static_lm(model, stats, SMOOTHING_ALPHA)
+    if scheme in ("8da8w", xnnpack.WEIGHT_ONLY_SCHEME):
+        weights = phone_weights.weights_8bit(model, phone_weights.importance(stats))
+        if scheme == "8da8w":
+            weights.source["smoothing_alpha"] = SMOOTHING_ALPHA if stats else None
+        return weights
+    importance = phone_weights.importance(stats)
+    results, source = gptq_codes(src, settings, staged, progress)
+    weights = phone_weights.weights_from_gptq(model, results, importance, source)
+    if scheme == "16a4w":
+        grouped = [n for n, w in weights.linears.items() if w.bits == 4 and not w.per_channel]
+        if grouped:
+            raise CpuQuantError(f"16a4w stores one scale per output channel, but {grouped[0]} "
+                                f"has groups of {weights.linears[grouped[0]].group} (quantize "
+                                "with `cpu-quant gptq --group -1 --positive-scales`)")
+    return weights
+
+
 def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSettings, tok,
                         calib_windows: list[list[int]], heldout: list[list[int]],
                         prompt_texts: list[str], prompts: list[list[int]],
                         timings: dict[str, float], t0: float, progress: bool) -> dict:
     from tqdm import tqdm
 
+    scheme = settings.resolved_scheme
     model = load_static_lm(src, settings.max_seq_len)
     shape = settings.shape(model)
-    if settings.backend == "xnnpack":
-        xnnpack.check_group_size(model, settings.resolved_scheme, settings.group_size)
     reference = copy.deepcopy(model)
     fp32_bytes = float32_bytes(model)
     timings["load"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    float_scores = score_heldout(shape, (reference, reference), heldout)
+    weights = decide_weights(src, model, shape, settings, calib_windows, staged, progress)
+    timings["weights"] = time.perf_counter() - t
+
+    t = time.perf_counter()
     if settings.backend == "qnn":
-        built = build_qnn(model, shape, settings, calib_windows, progress)
+        quantized = quantize_qnn(model, shape, settings, calib_windows, weights, progress)
     else:
-        built = build_xnnpack(model, shape, settings)
-    timings["quantize_and_lower"] = time.perf_counter() - t
+        quantized = quantize_xnnpack(model, shape, settings, weights,
+                                     _calibration_record(settings, calib_windows, weights))
+    quantized_scores = score_heldout(shape, (quantized.eager["prefill"], quantized.eager["decode"]),
+                                     heldout)
+    failures = screen(scheme, quantized_scores, float_scores)
+    if failures:
+        raise VerificationFailed("the quantized model falls below the " + scheme + " floors "
+                                 "against the float model (" + "; ".join(failures)
+                                 + "), before lowering: a quantization fault; nothing was written")
+    timings["quantize"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    built = lower_qnn(quantized, shape, settings) if settings.backend == "qnn" \
+        else lower_xnnpack(quantized)
+    timings["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
     pte = staged.path("model.pte")
@@ -278,18 +436,18 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     timings["write"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    stored = check_stored_weights(settings, pte, built, weights)
     arms = {"pte": pte_step_functions(pte),
             "quantized": (built.quantized["prefill"], built.quantized["decode"]),
             "float": (reference, reference)}
     bar = tqdm(total=len(heldout) + len(prompts), desc="verifying", disable=not progress)
-    result = verify(shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,
-                    tok.decode, tok.eos_token_id, progress=bar.update)
+    result = verify(scheme, shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,
+                    tok.decode, tok.eos_token_id, progress=bar.update,
+                    scored={"float": float_scores, "quantized": quantized_scores})
     bar.close()
     timings["verify"] = time.perf_counter() - t
     if not result.passed:
-        raise VerificationFailed(
-            "model.pte disagrees with its own quantized eager graph on held-out text ("
-            + "; ".join(result.failures) + "); nothing was written")
+        raise VerificationFailed(result.message())
 
     produced = {"model.pte": {"bytes": pte.stat().st_size, "sha256": sha256_file(pte),
                               "what": _pte_description(settings, built)}}
@@ -302,13 +460,15 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     timings["total"] = time.perf_counter() - t0
     report = {
         "backend": settings.backend,
-        "scheme": settings.resolved_scheme,
+        "scheme": scheme,
         "settings": asdict(settings),
         "graph": asdict(shape),
         "produced": produced,
         "sizes": {"pte_bytes": produced["model.pte"]["bytes"], "float32_bytes": fp32_bytes,
                   "ratio_vs_float32": round(produced["model.pte"]["bytes"] / fp32_bytes, 4)},
         "ops": count_ops(built.manager),
+        "weights": weights.summary() if weights is not None else None,
+        "stored_weights": stored,
         "calibration": built.calibration,
         "verification": result.to_dict(),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
@@ -322,11 +482,41 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     return report
 
 
+def _calibration_record(settings: PhoneExportSettings, calib_windows: list[list[int]],
+                        weights: phone_weights.PhoneWeights | None) -> dict:
+    if weights is None:
+        return {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                "note": "nothing calibrated: float weights"}
+    return {"source": settings.calib or "austen (built-in calibration split)",
+            "samples": len(calib_windows), "prefill_tokens": sum(map(len, calib_windows)),
+            "decode_tokens": 0,
+            "note": "the windows measure the input-channel importance of the weights' scale "
+                    "search (and calibrate the GPTQ run, if one was made); XNNPACK quantizes "
+                    "activations per token at run time"}
+
+
+def check_stored_weights(settings: PhoneExportSettings, pte: Path, built: Built,
+                         weights: phone_weights.PhoneWeights | None) -> dict | None:
+    """Read the XNNPACK program's integer weights back from ``pte`` and require every linear's
+    decided codes and scales among them, bit for bit (``readback``)."""
+    if settings.backend != "xnnpack" or weights is None:
+        return None
+    stored = readback.xnnpack_weights(pte)
+    missing = readback.unmatched(weights, stored)
+    if missing:
+        raise VerificationFailed(f"model.pte does not hold the decided integer weights of "
+                                 f"{len(missing)} linears (first: {missing[0]}); nothing was "
+                                 "written")
+    return {"linears": len(weights.linears), "stored_weights": len(stored),
+            "equal": len(weights.linears)}
+
+
 def _pte_description(settings: PhoneExportSettings, built: Built) -> str:
+    scheme = settings.resolved_scheme
     if settings.backend == "xnnpack":
-        return f"XNNPACK-delegated program, {settings.resolved_scheme}"
+        return f"XNNPACK-delegated program, {scheme}"
     if built.qnn_lowering == "htp":
-        return f"QNN HTP-delegated program ({settings.soc}), w8a16"
+        return f"QNN HTP-delegated program ({settings.soc}), {scheme}"
     calibrated = "calibrated" if built.calibration["samples"] else "UNCALIBRATED"
-    return (f"w8a16 {calibrated} program on ExecuTorch's portable CPU kernels (NOT lowered to "
-            "the HTP: QNN_SDK_ROOT is unset)")
+    return (f"{scheme} {calibrated} program on ExecuTorch's portable CPU kernels (NOT lowered "
+            "to the HTP: QNN_SDK_ROOT is unset)")

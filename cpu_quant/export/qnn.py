@@ -38,7 +38,7 @@ from ..errors import CpuQuantError
 from .model import export_methods
 from .runner import GraphShape, StaticKVRunner
 
-QNN_SCHEMES = ("w8a16",)
+QNN_SCHEMES = ("w8a16", "16a4w")
 DEFAULT_SOC = "SM8650"
 
 
@@ -61,23 +61,25 @@ def _no_sdk_download():
         os.environ.pop("QNN_SDK_ROOT", None)
 
 
-def make_quantizer():
+def make_quantizer(scheme: str = "w8a16"):
     from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
     from torchao.quantization.pt2e import MinMaxObserver
 
+    dtype = {"w8a16": QuantDtype.use_16a8w, "16a4w": QuantDtype.use_16a4w}[scheme]
     with _no_sdk_download():
         quantizer = QnnQuantizer()
     quantizer.set_default_quant_config(
-        QuantDtype.use_16a8w, is_linear_per_channel=True, is_conv_per_channel=True,
+        dtype, is_linear_per_channel=True, is_conv_per_channel=True,
         is_embedding_per_channel=True, act_observer=MinMaxObserver)
     return quantizer
 
 
-def prepare(model: torch.nn.Module, shape: GraphShape) -> dict[str, torch.fx.GraphModule]:
+def prepare(model: torch.nn.Module, shape: GraphShape, scheme: str = "w8a16"
+            ) -> dict[str, torch.fx.GraphModule]:
     """Annotated graphs with observers, by method name (``prefill``, ``decode``)."""
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    quantizer = make_quantizer()
+    quantizer = make_quantizer(scheme)
     programs = export_methods({name: model for name in shape.methods()}, shape)
     return {name: prepare_pt2e(ep.module(), quantizer) for name, ep in programs.items()}
 
@@ -142,6 +144,47 @@ def convert(prepared: dict[str, torch.fx.GraphModule]) -> dict[str, torch.fx.Gra
         _drop_unused_attributes(out)
         converted[name] = out
     return converted
+
+
+def _module_name(node: torch.fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else None
+
+
+def put_weights(gm: torch.fx.GraphModule, weights) -> int:
+    """Replace the converted graph's linear weights with ``weights`` (``weights.PhoneWeights``,
+    one scale per output channel): the int8 constant behind each linear's
+    ``dequantize_per_channel`` becomes our codes, its scale ours, zero points 0, and the code
+    range the codes' own (-8..7 for the 4-bit codes: QNN encodes any range of at most 16
+    levels as 4-bit, ``builders/node_visitor.py``). Returns how many were replaced; every
+    linear must be found."""
+    done = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "dequantize_per_channel" not in str(node.target):
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target != torch.ops.aten.linear.default:
+            continue
+        name = _module_name(users[0])
+        lw = weights.linears.get(name)
+        if lw is None:
+            continue
+        if not lw.per_channel:
+            raise CpuQuantError(f"{name}: QNN's per-channel weights cannot hold groups of "
+                                f"{lw.group}")
+        q_attr, s_attr, z_attr = (a.target for a in node.args[:3])
+        old_scale, old_zero = getattr(gm, s_attr), getattr(gm, z_attr)
+        setattr(gm, q_attr, lw.qdata.clone())
+        setattr(gm, s_attr, lw.scale[:, 0].to(old_scale.dtype).clone())
+        setattr(gm, z_attr, torch.zeros_like(old_zero))
+        node.args = (*node.args[:4], lw.levels.lo, lw.levels.hi, *node.args[6:])
+        done.add(name)
+    missing = sorted(set(weights.linears) - done)
+    if missing:
+        raise CpuQuantError(f"the QNN graph has no per-channel weight for {missing[0]} "
+                            f"({len(missing)} linears)")
+    gm.recompile()
+    return len(done)
 
 
 def save_programs(programs: dict[str, torch.export.ExportedProgram], directory: Path

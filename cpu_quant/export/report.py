@@ -12,8 +12,12 @@ Top-level keys (JSON object, written with sorted keys):
 * ``ops``: per method, ``delegated`` ``{backend id: {op: count}}`` counted inside the delegate
   payloads' original graphs, ``portable`` ``{op: count}`` run by the portable/quantized kernels
   (memory-planning bookkeeping such as ``alloc`` and ``getitem`` is not counted), and totals;
-* ``calibration``: ``{"source", "samples", "prefill_tokens", "decode_tokens"}`` (0 samples for
-  schemes that calibrate nothing: XNNPACK's activations are quantized at run time);
+* ``calibration``: ``{"source", "samples", "prefill_tokens", "decode_tokens"}``: the windows
+  that calibrate QNN's activation observers and weigh the 8-bit weights' input channels
+  (XNNPACK's activations are quantized at run time; its 4-bit codes come from a GPTQ run with
+  its own calibration, recorded under ``weights``);
+* ``weights``, ``stored_weights``: where the linears' weights came from (the GPTQ codes, the
+  weighted 8-bit search, a group rule's fallback) and what the program stores;
 * ``verification``: ``verify.VerifyResult.to_dict()``;
 * ``timings_s``: seconds per stage; ``provenance``: source path and hash, package versions, git SHA,
   threads, time.

@@ -1,17 +1,22 @@
-"""Phone-CPU programs: torchao dynamic-int8-activation schemes lowered to ExecuTorch's XNNPACK.
+"""Phone-CPU programs: dynamic-int8-activation schemes lowered to ExecuTorch's XNNPACK.
+
+The integer weights are decided before this module sees them (``weights``: the calibrated GPTQ
+codes for 4-bit, the weighted scale search for 8-bit); ``quantize_for_xnnpack`` puts them,
+unchanged, into torchao's ``IntxUnpackedToInt8Tensor`` (the tensor type torchao 0.18's
+``Int8DynamicActivationIntxWeightConfig`` makes and executorch 1.5.1's XNNPACK partitioner
+lowers), so nothing re-rounds them; ``readback`` checks the written program holds them.
 
 Schemes (every ``nn.Linear``, the output head included; the embedding is a gather, which
-XNNPACK does not run, so it is stored int8 per row and executed by the quantized kernels as
-``quantized_decomposed::embedding_byte``):
+XNNPACK does not run, so it is stored int8 per row (absmax, torchao's ``IntxWeightOnlyConfig``)
+and executed by the quantized kernels as ``quantized_decomposed::embedding_byte``):
 
-* ``8da8w``: int8 symmetric weights, one fp32 scale per output channel; activations quantized
-  to int8 per token (asymmetric) at run time. XNNPACK ``qd8-f32-qc8w``.
-* ``8da4w``: int4 symmetric weights in groups of ``group_size`` input channels, activations as
-  above. XNNPACK ``qd8-f32-qb4w``. XNNPACK stores block scales as **bf16**
-  (``backends/xnnpack/operators/node_visitor.py``, executorch 1.5.1), so the scales are rounded
-  to bf16 before export (``quantize.grid.round_scale``): the eager model then is the exact model
-  the program computes. Before that rounding the program and its eager graph agreed to 35.6 dB;
-  after it, 51.7 dB (4-layer SmolLM2, 64 held-out tokens).
+* ``8da8w``: int8 symmetric weights, one scale per output channel; activations quantized to
+  int8 per token (asymmetric) at run time. XNNPACK ``qd8-f32-qc8w``. The graph is smoothed
+  first (``smooth``: activation range moved into the weights, exact in float).
+* ``8da4w``: int4 symmetric weights in groups (32 by default), activations as above. XNNPACK
+  ``qd8-f32-qb4w``. XNNPACK takes groups that are multiples of 32 and stores block scales as
+  **bf16** (``backends/xnnpack/operators/node_visitor.py``); our scales are bf16 values already
+  (``quantize.grid``), and positive (``--positive-scales``), as XNNPACK requires.
 * ``8w`` (int8 weight-only): refused. In executorch 1.5.1 the XNNPACK path for it exports and
   runs but returns wrong logits: a per-channel scale is lost (measured -35.9 dB against its own
   eager graph). ``probe_weight_only_int8`` really exports one small weight-only linear, runs it
@@ -27,8 +32,8 @@ import torch
 from torch import nn
 
 from ..errors import CpuQuantError
-from ..quantize.grid import round_scale
 from .verify import snr_db
+from .weights import LinearWeights, PhoneWeights, int8_per_channel
 
 XNNPACK_SCHEMES = ("8da8w", "8da4w")
 WEIGHT_ONLY_SCHEME = "8w"
@@ -37,45 +42,40 @@ WEIGHT_ONLY_SCHEME = "8w"
 PROBE_MIN_SNR_DB = 30.0
 
 
-def _linear_config(scheme: str, group_size: int):
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    if scheme == "8da8w":
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8,
-                                                     weight_granularity=PerAxis(0))
-    if scheme == "8da4w":
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-                                                     weight_granularity=PerGroup(group_size))
-    if scheme == WEIGHT_ONLY_SCHEME:
-        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-    raise CpuQuantError(f"unknown XNNPACK scheme {scheme!r} (choose from {', '.join(XNNPACK_SCHEMES)})")
+# the activation quantization each scheme's linears apply (torchao's names)
+ACTIVATION = {"8da8w": "int8_asym_per_token", "8da4w": "int8_asym_per_token",
+              WEIGHT_ONLY_SCHEME: None}
 
 
-def check_group_size(model: nn.Module, scheme: str, group_size: int) -> None:
-    if scheme != "8da4w":
-        return
-    if group_size < 2 or group_size % 2:
-        raise CpuQuantError(f"--group-size must be an even number >= 2, got {group_size}")
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and mod.in_features % group_size:
-            raise CpuQuantError(f"--group-size {group_size} does not divide the {mod.in_features} "
-                                f"input features of {name}")
+def intx_weight(w: LinearWeights, activation: str | None):
+    """``w`` as torchao's ``IntxUnpackedToInt8Tensor``, the tensor type that the 8da schemes'
+    XNNPACK lowering consumes (torchao 0.18): the codes as they are, zero points 0, block
+    ``(1, group)``; with ``activation`` the linear quantizes its input to int8 per token."""
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        IntxUnpackedToInt8Tensor,
+    )
+
+    target = {4: torch.int4, 8: torch.int8}[w.bits]
+    # copies: the model must not alias the decided weights that the read-back compares with
+    return IntxUnpackedToInt8Tensor(
+        w.qdata.clone(), w.scale.clone(), torch.zeros_like(w.scale, dtype=torch.int8), target,
+        (1, w.group), torch.float32, activation)
 
 
 @torch.no_grad()
-def quantize_for_xnnpack(model: nn.Module, scheme: str, group_size: int) -> nn.Module:
-    """Quantize ``model`` in place (linears per ``scheme``, embedding int8 per row)."""
+def quantize_for_xnnpack(model: nn.Module, weights: PhoneWeights, scheme: str) -> nn.Module:
+    """Put ``weights`` into ``model``'s linears in place (with ``scheme``'s activation
+    quantization), and the embedding int8 per row."""
     from torchao.quantization import IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis
 
-    check_group_size(model, scheme, group_size)
-    quantize_(model, _linear_config(scheme, group_size),
-              filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
-    if scheme == "8da4w":
-        for mod in model.modules():
-            if isinstance(mod, nn.Linear):
-                mod.weight.scale.copy_(round_scale(mod.weight.scale))
+    modules = dict(model.named_modules())
+    missing = [n for n, m in modules.items() if isinstance(m, nn.Linear) and n not in weights.linears]
+    if missing:
+        raise CpuQuantError(f"no integer weights for {missing[0]} ({len(missing)} linears)")
+    for name, w in weights.linears.items():
+        modules[name].weight = nn.Parameter(intx_weight(w, ACTIVATION[scheme]),
+                                            requires_grad=False)
     quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
               filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
     return model
@@ -116,10 +116,8 @@ def probe_weight_only_int8() -> ProbeResult:
     from executorch.runtime import Runtime
 
     model = _ProbeLinear().eval()
-    quantize_for_probe = _linear_config(WEIGHT_ONLY_SCHEME, 0)
-    from torchao.quantization import quantize_
-
-    quantize_(model, quantize_for_probe)
+    weights = PhoneWeights({"proj": int8_per_channel(model.proj.weight.data, None)})
+    quantize_for_xnnpack(model, weights, WEIGHT_ONLY_SCHEME)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(x)

@@ -20,7 +20,7 @@ from ..errors import CpuQuantError
 from ..io.artifact import StagedOutput, check_destination, write_shard_index
 from ..io.checkpoint import open_checkpoint
 from ..quantize.grid import GroupQuant
-from ..verify.checks import config_unusable
+from ..verify.checks import config_unusable, damage, inconsistency
 from .base import ArtifactInfo, SafetensorsFormat, format_for_quant_method, get_format
 from .safetensors_sink import artifact_config
 
@@ -38,12 +38,35 @@ class ConvertReport:
         return asdict(self)
 
 
-def _exact(module: str, gq: GroupQuant, target: SafetensorsFormat, tensors: dict, qcfg: dict
-           ) -> None:
-    back = target.unpack(tensors, qcfg, module)
-    if not torch.equal(back.dequantize(), gq.dequantize()):
+def _same_fields(a: GroupQuant, b: GroupQuant) -> bool:
+    """Same codes, scales, zeros and group: then the dequantizations are equal too (the cheap
+    test; the full comparison decides only when it fails)."""
+    def zeros(gq: GroupQuant) -> torch.Tensor:
+        return torch.zeros_like(gq.scales) if gq.zeros is None else gq.zeros
+
+    return (a.group_size == b.group_size and torch.equal(a.codes, b.codes)
+            and torch.equal(a.scales, b.scales) and torch.equal(zeros(a), zeros(b)))
+
+
+def repack_module(source: SafetensorsFormat, target: SafetensorsFormat,
+                  tensors: dict[str, torch.Tensor], qcfg: dict, module: str
+                  ) -> tuple[GroupQuant, dict[str, torch.Tensor]]:
+    """One module's ``source`` tensors as ``target`` tensors holding the same weights bit for bit
+    (unpacked, packed, unpacked again and dequantized: both readings must be equal), or a
+    :class:`CpuQuantError` naming the module and why not. ``convert`` and
+    ``cpu_quant.load_quantized`` both repack through here."""
+    gq = source.unpack(tensors, qcfg, module)
+    if not bool(torch.isfinite(gq.scales).all()):
+        raise CpuQuantError(f"{module}: a stored scale is NaN or Inf")
+    if gq.zeros is not None and not target.limits.stores_zeros:
+        raise CpuQuantError(f"{module}: the stored zero points are not all 8 (an asymmetric "
+                            f"grid); {target.name} holds only the symmetric grid")
+    packed = target.pack(gq, module)
+    back = target.unpack(packed, {"format_version": 1}, module)
+    if not _same_fields(back, gq) and not torch.equal(back.dequantize(), gq.dequantize()):
         raise CpuQuantError(f"{module}: {target.name} cannot hold these weights exactly (its "
-                            "stored scales or zeros round them); not converted")
+                            "stored scales or zeros round them)")
+    return gq, packed
 
 
 def _read_report(path: Path) -> dict:
@@ -61,14 +84,9 @@ def _refuse_unverified(out: StagedOutput) -> None:
     its own verify rejects (scales that disagree with the config's group, a non-finite scale, a
     bad dynamic rule). The architecture checks are left out: convert keeps the source's
     tensors, so their agreement with the config is the source's, and verify reports it."""
-    from ..verify.checks import SELF_CONSISTENCY_CHECKS, verify_checkpoint
-
-    report = verify_checkpoint(out.staging, SELF_CONSISTENCY_CHECKS)
-    if report.errors:
-        first = report.errors[0]
-        raise CpuQuantError(f"the converted checkpoint fails verify ({len(report.errors)} "
-                            f"error(s); first: {first.tensor or 'config'}: {first.message}); "
-                            "not converted")
+    why = inconsistency(out.staging)
+    if why:
+        raise CpuQuantError(f"the converted checkpoint fails verify ({why}); not converted")
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False
@@ -95,25 +113,21 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
                             "`cpu-quant gptq --format` from the calibrated run")
     if int(qcfg.get("bits", 4)) != 4:
         raise CpuQuantError(f"only 4-bit checkpoints convert (bits {qcfg.get('bits')})")
+    why = damage(ckpt.path)
+    if why:
+        raise CpuQuantError(f"{ckpt.path} fails verify ({why}); not converted")
     modules = source.modules(ckpt)
     if not modules:
         raise CpuQuantError(f"{ckpt.path} holds no quantized modules (no *.{source.marker} tensors)")
     symmetric = True
     groups: dict[str, int] = {}
     converted: dict[str, dict[str, torch.Tensor]] = {}
-    target_cfg = {"format_version": 1}
     for m in modules:
-        gq = source.unpack(source.read_tensors(ckpt, m), qcfg, m)
-        if not bool(torch.isfinite(gq.scales).all()):
-            raise CpuQuantError(f"{m}: a stored scale is NaN or Inf; not converted")
-        if gq.zeros is not None:
-            symmetric = False
-            if not target.limits.stores_zeros:
-                raise CpuQuantError(f"{m}: the stored zero points are not all 8 (an asymmetric "
-                                    f"grid); {target.name} holds only the symmetric grid")
-        tensors = target.pack(gq, m)
-        _exact(m, gq, target, tensors, target_cfg)
-        converted[m] = tensors
+        try:
+            gq, converted[m] = repack_module(source, target, source.read_tensors(ckpt, m), qcfg, m)
+        except CpuQuantError as exc:
+            raise CpuQuantError(f"{exc}; not converted") from None
+        symmetric = symmetric and gq.zeros is None
         groups[str(gq.group_size)] = groups.get(str(gq.group_size), 0) + 1
 
     owned = {f"{m}.{s}" for m in modules for s in source.suffixes}

@@ -292,6 +292,40 @@ class KernelLayout:
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
 
+    def codes_t_(self, packed: torch.Tensor, start: int, stop: int, out: torch.Tensor
+                 ) -> torch.Tensor:
+        """The codes of rows ``start:stop`` written transposed into ``out`` (float, [K,
+        stop-start]): what :meth:`codes` returns, ``.t()``, without the row-major copy. A block
+        is stored K-major, so each nibble plane lands in ``out`` with one strided copy; the
+        prefill path dequantizes in this orientation."""
+        n, half = packed.shape
+        k = half * 2
+        bn = self.block_n
+        if start % bn or (stop % bn and stop != n) or not 0 <= start < stop <= n:
+            raise ValueError(f"rows {start}:{stop} of {n} do not fall on the kernel's "
+                             f"{bn}-row blocks")
+        if out.shape != (k, stop - start):
+            raise ValueError(f"out is {list(out.shape)}, expected [{k}, {stop - start}]")
+        full = (stop - start) // bn
+        if full:
+            b = packed[start:start + full * bn].view(full, k, bn // 2).permute(1, 0, 2)
+            dst = out[:, :full * bn].unflatten(1, (full, bn))  # [K, block, row in block]
+            if self.full_block == "split":
+                dst[..., : bn // 2].copy_(b & 0xF)
+                dst[..., bn // 2:].copy_(b >> 4)
+            else:
+                pairs = dst.unflatten(2, (bn // 2, 2))
+                pairs[..., 0].copy_(b & 0xF)
+                pairs[..., 1].copy_(b >> 4)
+        tail = stop - start - full * bn
+        if tail:
+            b = packed[stop - tail:stop].view(k, tail // 2)
+            pairs = out[:, full * bn:].unflatten(1, (tail // 2, 2))
+            pairs[..., 0].copy_(b & 0xF)
+            pairs[..., 1].copy_(b >> 4)
+        return out
+
+
 _CANDIDATES = tuple(KernelLayout("?", bn, how) for bn in (16, 32, 64, 128, 256)
                     for how in ("split", "paired"))
 _EXPECTED = {"AVX512": (64, "split"), "AVX2": (32, "split"), "DEFAULT": (32, "paired")}
@@ -378,6 +412,22 @@ def dequantize_kernel_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, grou
     sz = scale_zeros[:, start:stop].to(torch.float32).transpose(0, 1).unsqueeze(-1)  # [r, G, 2, 1]
     w = codes.to(torch.float32).reshape(rows, k // group, group).sub_(QZERO)
     return w.mul_(sz[:, :, 0]).add_(sz[:, :, 1]).to(torch.bfloat16).reshape(rows, k)
+
+
+def dequantize_kernel_t_(packed: torch.Tensor, scale_zeros: torch.Tensor, group: int,
+                         start: int, stop: int, out: torch.Tensor,
+                         layout: KernelLayout | None = None) -> torch.Tensor:
+    """Rows ``start:stop`` of the weight, transposed, in float32 (``out``: contiguous [K,
+    stop-start]), read from the kernel layout: ``(q - 8) * s + z`` as the kernel computes it
+    (the product exact, the sum rounded once), so ``out.t()`` equals
+    :func:`dequantize_kernel_rows` before its bf16 rounding. The fast path of the prefill: no
+    allocation of the weight's size, and the [K, N] orientation the float32 GEMM takes as is."""
+    layout = layout or kernel_layout()
+    k, rows = out.shape
+    layout.codes_t_(packed, start, stop, out)
+    sz = scale_zeros[:, start:stop].to(torch.float32).unsqueeze(1)  # [G, 1, rows, 2]
+    w = out.view(k // group, group, rows)
+    return w.sub_(QZERO).mul_(sz[..., 0]).add_(sz[..., 1]).view(k, rows)
 
 
 def dequantize_chunks(packed: torch.Tensor) -> list[tuple[int, int]]:

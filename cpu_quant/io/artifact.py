@@ -3,15 +3,17 @@
 ``StagedOutput(dst)`` creates ``.<name>.partial`` beside ``dst`` and takes the lock file
 ``.<name>.lock`` (created with ``O_EXCL``; it holds the owner's pid, and a lock whose pid is
 gone is taken over). Shards are written into the staging directory; ``commit()`` renames it to
-``dst``. On an error the staging directory is removed and ``dst`` is untouched; after Ctrl-C,
-or when the run asks (``keep_on_exit``), it is kept for ``--resume``. It never holds a
+``dst``. On an error the staging directory is removed and ``dst`` is untouched; after Ctrl-C
+in a run that resumes (``keep_on_interrupt``), or when the run asks (``keep_on_exit``), it is
+kept for ``--resume``. It never holds a
 ``config.json`` before the commit, so nothing half-written looks like a finished artifact.
 ``OSError`` from a full disk or an unwritable directory becomes a one-line ``CpuQuantError``.
 
 :func:`check_destination` is the one guard for every command's output path (``gptq``,
-``tinygemm``, ``convert``, ``export-phone``, ``eval --json``): the output may not be a source,
-an ancestor of one, or inside one (symlinks resolved), and ``--overwrite`` replaces only what
-cpu-quant itself wrote (:func:`is_replaceable_artifact`) or an empty directory. ``commit()``
+``tinygemm``, ``convert``, ``export-phone``, ``eval --output-json`` and ``--save-reference``):
+the output may not be a source, an ancestor of one, or inside one (symlinks resolved), nor
+locked by another live run, and ``--overwrite`` replaces only what cpu-quant itself wrote
+(:func:`is_replaceable_artifact`) or an empty directory. ``commit()``
 swaps the new directory with the old one in one ``renameat2(RENAME_EXCHANGE)`` and removes
 the old one from the staging name, so nothing new is ever left beside ``dst``.
 """
@@ -46,6 +48,21 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def lock_path(dst: Path) -> Path:
+    """The lock file of an output: ``.<name>.lock`` beside it."""
+    return dst.parent / f".{dst.name}.lock"
+
+
+def live_lock_owner(lock: Path) -> int | None:
+    """The pid of the live process (not this one) holding ``lock``, or None (no lock, a stale
+    one, or this process's own)."""
+    try:
+        pid = int(lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid and pid != os.getpid() and _pid_alive(pid) else None
 
 
 def describe_os_error(exc: OSError, where: Path) -> str:
@@ -105,6 +122,10 @@ def check_destination(dst: str | Path, sources: Iterable[str | Path], overwrite:
                                 "output path")
     if not real.parent.is_dir():
         raise CpuQuantError(f"output parent directory {dst_path.parent} does not exist")
+    owner = live_lock_owner(lock_path(dst_path.absolute())) if directory else None
+    if owner is not None:  # before any work, not when the staging directory is made
+        raise CpuQuantError(f"another cpu-quant run (pid {owner}) is writing {dst}; remove "
+                            f"{lock_path(dst_path.absolute())} if it is not")
     if not (dst_path.exists() or dst_path.is_symlink()):
         return
     if not directory:
@@ -145,16 +166,20 @@ def exchange_paths(a: Path, b: Path) -> bool:
 
 
 class StagedOutput:
+    """``keep_on_interrupt``: a Ctrl-C that reaches ``__exit__`` keeps the staging directory
+    (a run that can be resumed from it); otherwise it is removed like on any error."""
+
     def __init__(self, dst: str | Path, overwrite: bool = False, resume: bool = False,
-                 sources: Iterable[str | Path] = ()) -> None:
+                 sources: Iterable[str | Path] = (), keep_on_interrupt: bool = False) -> None:
         self.dst = Path(dst).absolute()
         self.overwrite = overwrite
         self.resume = resume
         self.sources = list(sources)
+        self.keep_on_interrupt = keep_on_interrupt
         # set by a run that stopped at a safe point: keep the staging directory for --resume
         self.keep_on_exit = False
         self.staging = self.dst.parent / f".{self.dst.name}.partial"
-        self.lock = self.dst.parent / f".{self.dst.name}.lock"
+        self.lock = lock_path(self.dst)
         self._locked = False
 
     def __enter__(self) -> StagedOutput:
@@ -182,11 +207,8 @@ class StagedOutput:
             try:
                 fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                try:
-                    pid = int(self.lock.read_text().strip() or 0)
-                except (OSError, ValueError):
-                    pid = 0
-                if pid and _pid_alive(pid):
+                pid = live_lock_owner(self.lock)
+                if pid is not None:
                     raise CpuQuantError(f"another cpu-quant run (pid {pid}) is writing {self.dst}; "
                                         f"remove {self.lock} if it is not") from None
                 self.lock.unlink(missing_ok=True)
@@ -205,7 +227,7 @@ class StagedOutput:
             self._locked = False
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is KeyboardInterrupt:
+        if exc_type is KeyboardInterrupt and self.keep_on_interrupt:
             self.keep_on_exit = True  # state is consistent up to the last completed layer
         try:
             if exc_type is not None and not self.keep_on_exit:
@@ -252,10 +274,19 @@ class StagedOutput:
 def write_shard_index(out: StagedOutput, shards: dict[str, list[str]], total_size: int) -> None:
     write_shard_index_at(out.staging, shards, total_size)
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or is as it was: written beside it, then renamed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def copy_tokenizer_files(src: Path, dst_dir: Path) -> list[str]:

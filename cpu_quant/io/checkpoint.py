@@ -73,6 +73,87 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
+# sizes a config states as positive integers (transformers divides by some of them)
+POSITIVE_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "num_key_value_heads", "head_dim",
+                        "max_position_embeddings")
+
+
+def config_value_problem(config: dict) -> str | None:
+    """Why a config's sizes are unusable (a size that is not a positive integer, in the config
+    or its ``text_config``), or None. An absent or null key is left to the model's default."""
+    for where, cfg in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(cfg, dict):
+            continue
+        for key in POSITIVE_CONFIG_KEYS:
+            value = cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                return f"{where}{key} must be a positive integer, not {value!r}"
+    return None
+
+
+def integer_weights(ckpt: Checkpoint) -> list[str]:
+    """The ``*.weight`` tensors stored as integers (an already-quantized or foreign checkpoint)."""
+    return [n for n in ckpt.names if n.endswith(".weight") and ckpt.dtype(n) in INTEGER_DTYPES]
+
+
+def check_float_weights(ckpt: Checkpoint) -> None:
+    """Refuse a checkpoint with integer weights: read as a float model, they would be cast to
+    float without a word."""
+    ints = integer_weights(ckpt)
+    if ints:
+        raise CpuQuantError(f"tensor {ints[0]} is {ckpt.dtype(ints[0])} ({len(ints)} integer "
+                            "weights): a floating-point checkpoint (bf16, fp16, fp32) is needed, "
+                            "not an already-quantized one")
+
+
+def load_hf_config(root: str | Path):
+    """transformers' config of a checkpoint directory (never repository code), or a one-line
+    error."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(root, trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for unknown configs
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CpuQuantError(f"cannot read the model config of {root}: {first}") from None
+
+
+def empty_causal_lm(config, dtype: torch.dtype):
+    """A causal LM of ``config`` without memory (accelerate's empty weights), or a one-line
+    error for an architecture transformers cannot build."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CpuQuantError(f"unsupported model: {first}") from None
+
+
+def tensors_disagree(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], tied: bool
+                     ) -> str | None:
+    """How a checkpoint's tensors (name -> shape) disagree with the model its config builds
+    (a missing, unexpected or mis-shaped tensor), or None. A tied head needs no tensor of its
+    own; rotary ``inv_freq`` buffers some checkpoints carry are ignored."""
+    params = dict(model.named_parameters())
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [n for n in params if n not in shapes and not (n == "lm_head.weight" and tied)]
+    if missing:
+        return f"{missing[0]} is missing ({len(missing)} missing in all)"
+    extra = sorted(n for n in shapes if n not in params and n not in buffers
+                   and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        return f"unexpected tensor {extra[0]} ({len(extra)} unexpected in all)"
+    for n, p in params.items():
+        if n in shapes and tuple(p.shape) != tuple(shapes[n]):
+            return f"{n} has shape {list(shapes[n])}, the config implies {list(p.shape)}"
+    return None
+
+
 def model_context(config: dict) -> int | None:
     """``max_position_embeddings`` of a config (or of its ``text_config``), when it is stated."""
     for cfg in (config, config.get("text_config")):
@@ -192,6 +273,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CpuQuantError(f"{cfg_path}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise CpuQuantError(f"{cfg_path}: expected a JSON object")
+    problem = config_value_problem(config)
+    if problem:
+        raise CpuQuantError(f"{cfg_path}: {problem}")
     for other in root.iterdir():
         if other.is_file() and not _inside(root, other):
             raise CpuQuantError(f"{other.name} points outside the checkpoint directory")

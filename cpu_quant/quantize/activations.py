@@ -12,7 +12,8 @@ Layout, inside the run's staging directory: ``activations/gen-NNNNN/batch-BBBBB.
 embedding output). A generation is complete once the run state records ``completed_layers =
 g``; the previous one is deleted after that, so a killed run always has the generation that
 ``--resume`` needs. The tensors round-trip bit for bit, so an offloaded run writes the same
-artifact as an in-memory one.
+artifact as an in-memory one. A distributed rank holds the batches from ``offset`` on, under
+the run's batch numbers, in the generation directory every rank shares.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ ACTIVATIONS_DIR = "activations"
 
 
 class DiskActivations:
-    def __init__(self, root: Path, generation: int, count: int = 0) -> None:
+    def __init__(self, root: Path, generation: int, count: int = 0, offset: int = 0) -> None:
         self.root = Path(root)
         self.generation = generation
         self.count = count
+        self.offset = offset
         self.dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -42,13 +44,14 @@ class DiskActivations:
         return self.root / f"gen-{self.generation:05d}"
 
     def _file(self, b: int) -> Path:
-        return self.dir / f"batch-{b:05d}.safetensors"
+        return self.dir / f"batch-{self.offset + b:05d}.safetensors"
 
     @classmethod
-    def open(cls, root: Path, generation: int, count: int) -> DiskActivations:
+    def open(cls, root: Path, generation: int, count: int, offset: int = 0) -> DiskActivations:
         """A generation written by an earlier (interrupted) run."""
         store = cls.__new__(cls)
         store.root, store.generation, store.count = Path(root), generation, count
+        store.offset = offset
         missing = [b for b in range(count) if not store._file(b).is_file()]
         if missing:
             raise CpuQuantError(f"{store.dir} lacks {len(missing)} of its {count} activation "
@@ -71,9 +74,9 @@ class DiskActivations:
 
     def rewrite(self, outputs: Iterable[torch.Tensor]) -> DiskActivations:
         """The next generation, filled from ``outputs`` (computed lazily from this one)."""
-        nxt = DiskActivations(self.root, self.generation + 1)
-        shutil.rmtree(nxt.dir, ignore_errors=True)  # leftovers of a run killed mid-layer
-        nxt.dir.mkdir(parents=True)
+        nxt = DiskActivations(self.root, self.generation + 1, offset=self.offset)
+        for b in range(self.count):  # leftovers of a run killed mid-layer (this share's only:
+            nxt._file(b).unlink(missing_ok=True)  # other ranks write theirs meanwhile)
         for h in outputs:
             nxt.append(h)
         return nxt

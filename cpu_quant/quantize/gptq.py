@@ -33,10 +33,13 @@ SEARCH_CHUNK = 1 << 18  # weights per static-group scale search call (1 MiB of f
 
 @dataclass(frozen=True)
 class GridSpec:
-    """What grid to fit: symmetric (zero 0) or asymmetric; searched scales or plain absmax."""
+    """What grid to fit: symmetric (zero 0) or asymmetric; searched scales or plain absmax;
+    with ``positive_scales``, symmetric scales are never negative (the phone runtimes store
+    positive block scales only; ``scale_search.search_symmetric_scales``)."""
 
     symmetric: bool = True
     scale_search: bool = True
+    positive_scales: bool = False
 
 
 @dataclass
@@ -50,7 +53,7 @@ def fit_group(w: torch.Tensor, importance: torch.Tensor | None, grid: GridSpec
     """Scale (and zero) per group for w [..., g]; returns tensors of shape [..., 1]."""
     if grid.symmetric:
         if grid.scale_search:
-            return search_symmetric_scales(w, importance), None
+            return search_symmetric_scales(w, importance, grid.positive_scales), None
         return absmax_scales(w), None
     if grid.scale_search:
         return search_asymmetric_scales(w, importance)

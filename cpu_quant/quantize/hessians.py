@@ -1,6 +1,8 @@
 """Hessians of the linears' inputs: ``H = 2 XᵀX / n``, summed over the calibration batches.
 
 :func:`gram` is the product (symmetric blocks only, bf16 operands with float32 sums);
+:class:`GramSum` adds one batch's product after another, in batch order (the one order every
+run uses: a distributed run reproduces it across its ranks, ``distributed.py``);
 :class:`HessianAccumulator` sums it over a layer's forward passes with pre-hooks.
 """
 
@@ -83,6 +85,32 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class GramSum:
+    """Σ XᵀX (float32) and the row count over the calibration batches, added in batch order.
+
+    The float32 sum is allocated up front, before the batches' temporaries (a long-lived block
+    made among them would fragment the heap). Every Hessian of a run is summed by one of these
+    (or by ``distributed.ChainedGramSum``, which makes the same additions in the same order
+    across ranks), so the order of the additions, and the bits of the result, are the same
+    wherever it runs."""
+
+    def __init__(self, width: int) -> None:
+        self.total = torch.zeros(width, width)
+        self.rows = 0
+
+    def add(self, xtx: torch.Tensor, rows: int) -> None:
+        """One batch's XᵀX (not modified afterwards by the caller) and its row count."""
+        self.total.add_(xtx)
+        self.rows += rows
+
+    def hessian(self) -> torch.Tensor | None:
+        """``2 Σ XᵀX / n``; None when no batch reached the linear."""
+        return 2.0 * self.total / self.rows if self.rows else None
+
+
+NewGramSum = Callable[[int], GramSum]  # width -> an empty sum (GramSum or a distributed one)
+
+
 class HessianAccumulator:
     """Forward pre-hooks that sum XᵀX (float32) of every hooked linear's input.
 
@@ -93,9 +121,9 @@ class HessianAccumulator:
     (:class:`LayerDone`); a layer that calls a linear twice always runs to the end.
     """
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
-        self.h: dict[str, torch.Tensor] = {}
-        self.count: dict[str, int] = {}
+    def __init__(self, modules: dict[str, nn.Module], new_sum: NewGramSum = GramSum) -> None:
+        self.h: dict[str, GramSum] = {}  # made when the linear first sees an input
+        self.new_sum = new_sum
         self.names = list(modules)
         self._calls: dict[str, int] = {}
         self._stop_early = False
@@ -118,20 +146,20 @@ class HessianAccumulator:
             else:
                 xtx = gram(x.reshape(-1, x.shape[-1]))
                 self._last = (x, xtx)  # holding x keeps its identity unique
-            rows = x.numel() // x.shape[-1]
-            if name in self.h:
-                self.h[name] += xtx
-                self.count[name] += rows
-            else:
-                self.h[name] = xtx.clone()
-                self.count[name] = rows
+            if name not in self.h:
+                self.h[name] = self.new_sum(x.shape[-1])
+            self.h[name].add(xtx, x.numel() // x.shape[-1])
             self._calls[name] = self._calls.get(name, 0) + 1
             if self._stop_early and len(self._calls) == len(self.names):
                 raise LayerDone
         return hook
 
-    def hessian(self, name: str) -> torch.Tensor:
-        return 2.0 * self.h[name] / max(self.count[name], 1)
+    @property
+    def count(self) -> dict[str, int]:
+        return {name: s.rows for name, s in self.h.items()}
+
+    def hessian(self, name: str) -> torch.Tensor | None:
+        return self.h[name].hessian()
 
     def close(self) -> None:
         for handle in self._handles:

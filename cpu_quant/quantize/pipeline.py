@@ -11,6 +11,10 @@ head is quantized last, with the Hessian of the final normed hidden state. Outpu
 
 Memory: after every layer the allocator's free memory is handed back, and glibc's mmap
 threshold is pinned for the run (``cpu_quant.memory``).
+
+A distributed run (``distributed.py``) runs this same driver on every rank; its ``Team`` gives
+each rank its share of the calibration batches, sums the Hessians across the ranks in the one
+process's order, shares out the GPTQ rows, and lets rank 0 alone write.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ import functools
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError
+from ..data.corpus import load_texts
+from ..errors import CpuQuantError, Interrupted
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
-from ..io.artifact import StagedOutput, check_destination
-from ..io.checkpoint import INTEGER_DTYPES, load_tokenizer, model_context, open_checkpoint
+from ..io.artifact import StagedOutput, check_destination, write_json_atomic
+from ..io.checkpoint import check_float_weights, load_tokenizer, model_context, open_checkpoint
 from ..memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
@@ -39,6 +45,7 @@ from ..memory import (
     release_free_heap,
 )
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
+from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram
 from .plan import HEAD_NAME, LinearPlan, check_group, dynamic_overrides, plan_linear
@@ -51,6 +58,7 @@ from .resume import (
     remove_hidden_files,
     restore_hidden,
     run_fingerprint,
+    saved_layers,
     write_resume_point,
 )
 from .schedule import QuantJob, quantize_linears
@@ -62,12 +70,13 @@ from .streaming import LayerStream
 CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offloaded runs)
 
 
-def calibration_batches(src: Path, settings: QuantSettings) -> list[torch.Tensor]:
-    from ..data.corpus import load_texts, token_windows
+def calibration_batches(src: Path, settings: QuantSettings, texts: list[str]
+                        ) -> list[torch.Tensor]:
+    """The calibration token windows of ``texts`` (``--calib``), in batches."""
+    from ..data.corpus import token_windows
 
     tok = load_tokenizer(src)
-    windows = token_windows(tok, load_texts(settings.calib, "calibration"), settings.samples,
-                            settings.seqlen)
+    windows = token_windows(tok, texts, settings.samples, settings.seqlen)
     ids = torch.tensor(windows, dtype=torch.long)
     return list(torch.split(ids, settings.batch_size))
 
@@ -76,11 +85,7 @@ def check_source(ckpt, settings: QuantSettings) -> None:
     """Refuse, before any work, a source the run cannot quantize faithfully: integer weights
     (an already-quantized or foreign checkpoint would be cast to float without a word) and a
     calibration window longer than the model's context."""
-    ints = [n for n in ckpt.names if n.endswith(".weight") and ckpt.dtype(n) in INTEGER_DTYPES]
-    if ints:
-        raise CpuQuantError(f"tensor {ints[0]} is {ckpt.dtype(ints[0])} ({len(ints)} integer "
-                            "weights): cpu-quant quantizes floating-point checkpoints (bf16, "
-                            "fp16, fp32), not already-quantized ones")
+    check_float_weights(ckpt)
     context = model_context(ckpt.config)
     if not settings.data_free and context is not None and settings.seqlen > context:
         raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "
@@ -108,17 +113,15 @@ class LayerQuantizer:
     the sinks, the run's state and the true-sequential structures found so far."""
 
     def __init__(self, stream: LayerStream, ckpt, settings: QuantSettings, limits: Limits,
-                 sinks: SinkSet, state: RunState, new_store: Callable[[str, list[int] | None],
-                                                                      BatchStore]) -> None:
+                 sinks: SinkSet | NoSinks, state: RunState,
+                 new_store: Callable[[str, list[int] | None], BatchStore],
+                 team: Team | None = None) -> None:
         self.stream, self.ckpt, self.settings, self.limits = stream, ckpt, settings, limits
-        self.grid = GridSpec(symmetric=settings.symmetric, scale_search=settings.scale_search)
+        self.grid = GridSpec(symmetric=settings.symmetric, scale_search=settings.scale_search,
+                             positive_scales=settings.positive_scales)
         self.sinks, self.state, self.new_store = sinks, state, new_store
+        self.team = team or Team()
         self.structures: dict = {}  # sequential.signature -> Structure or None
-
-    def plan(self, i: int) -> dict[str, LinearPlan]:
-        return {name: plan_linear(name, m.in_features, m.out_features, self.settings.group_size,
-                                  self.settings.strict_group, self.limits)
-                for name, m in self.stream.linears(i).items()}
 
     def _timed(self, phase: str, fn: Callable) -> Callable:
         def run(*args):
@@ -136,8 +139,8 @@ class LayerQuantizer:
         into the modules for the passes after."""
         names = [n for n in names if plans[n].quantize]
         jobs = [QuantJob(linears[n].weight.data, plans[n], hessians.get(n)) for n in names]
-        for name, (gq, trep) in zip(names, quantize_linears(jobs, self.settings, self.grid),
-                                    strict=True):
+        results = quantize_linears(jobs, self.settings, self.grid, self.team.rows)
+        for name, (gq, trep) in zip(names, results, strict=True):
             self.state.tensors.append(asdict(trep))
             self.state.account(gq, self.sinks.add_module(name, gq))
             linears[name].weight.data = gq.dequantize().to(linears[name].weight.dtype)
@@ -155,9 +158,10 @@ class LayerQuantizer:
         structure = None
         if hidden:
             key = signature(layer)
-            if key not in self.structures:
+            if key not in self.structures:  # rank 0's probe (of the first batch) decides
                 first = next(iter(hidden))
-                self.structures[key] = probe(layer, lambda: stream.call_layer(i, 0, first))
+                found = probe(layer, lambda: stream.call_layer(i, 0, first)) if self.team.writer else None
+                self.structures[key] = self.team.from_writer(found)
             structure = self.structures[key]
         if structure is not None:
             self.state.true_sequential_layers += 1
@@ -168,14 +172,16 @@ class LayerQuantizer:
             outputs = run_true_sequential(layer, structure, hidden,
                                           lambda b, h: stream.call_layer(i, b, h),
                                           quantize_group, self.new_store,
-                                          self._timed("hessians", gram))
+                                          self._timed("hessians", gram), self.team.new_sum)
         else:
-            acc = HessianAccumulator({n: m for n, m in linears.items() if plans[n].quantize})
+            acc = HessianAccumulator({n: m for n, m in linears.items() if plans[n].quantize},
+                                     self.team.new_sum)
             try:
                 stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
             finally:
                 acc.close()
-            quantize(list(linears), {n: acc.hessian(n) for n in acc.h})
+            hessians = {n: acc.hessian(n) for n in acc.h}
+            quantize(list(linears), {n: h for n, h in hessians.items() if h is not None})
             outputs = stream.forward_layer(i, hidden) if hidden else None
         # the report lists a layer's tensors in module order, whatever order they were quantized in
         order = {n: k for k, n in enumerate(linears)}
@@ -188,7 +194,7 @@ class LayerQuantizer:
                 self.sinks.add_tensor(pname, self.ckpt.tensor(pname).to(torch.bfloat16))
         return outputs
 
-    def outer(self, hidden: list[torch.Tensor]) -> LinearPlan:
+    def outer(self, hidden: list[torch.Tensor], head_plan: LinearPlan) -> None:
         """Embedding and norms (bf16), and the output head, quantized with the Hessian of the
         final normed hidden state."""
         stream, ckpt, settings = self.stream, self.ckpt, self.settings
@@ -198,44 +204,66 @@ class LayerQuantizer:
                 continue
             self.sinks.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
         head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
-        vocab, hidden_size = head_w.shape
-        head_plan = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
-                                settings.strict_group, self.limits, quantize=settings.quantize_head,
-                                flag="--head-group" if settings.head_group else "--group")
+        hidden_size = head_w.shape[1]
         if head_plan.quantize:
             hess = None
             if hidden:
                 norm = stream.final_norm()
-                acc_h = torch.zeros(hidden_size, hidden_size)
-                rows = 0
+                acc_h = self.team.new_sum(hidden_size)
                 with torch.no_grad():
                     for h in hidden:
                         x = norm(h).reshape(-1, hidden_size)
-                        acc_h += gram(x)
-                        rows += x.shape[0]
-                hess = 2.0 * acc_h / rows
+                        acc_h.add(gram(x), x.shape[0])
+                hess = acc_h.hessian()
             kill_point("head")
-            [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings, self.grid)
+            [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings, self.grid,
+                                            self.team.rows)
             self.state.tensors.append(asdict(trep))
             self.state.account(gq, self.sinks.add_module(HEAD_NAME, gq))
         elif "lm_head.weight" in ckpt.names:
             self.sinks.add_tensor("lm_head.weight", head_w.to(torch.bfloat16))
-        return head_plan
+
+
+def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits
+               ) -> tuple[list[dict[str, LinearPlan]], LinearPlan]:
+    """Every linear's plan (per layer) and the head's, from the shapes alone: a group the
+    formats refuse (``--strict-group``) is refused before any work, not after the layers."""
+    layers = [{name: plan_linear(name, m.in_features, m.out_features, settings.group_size,
+                                 settings.strict_group, limits)
+               for name, m in stream.linears(i).items()} for i in range(stream.n_layers)]
+    vocab, hidden_size = stream.ckpt.shape(stream.head_weight_name())
+    head = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
+                       settings.strict_group, limits, quantize=settings.quantize_head,
+                       flag="--head-group" if settings.head_group else "--group")
+    return layers, head
 
 
 def _quantization_extra(settings: QuantSettings, version: str) -> dict:
     return {"damp_percent": settings.damp, "quantizer": ["cpu-quant", version],
             "cpu_quant": {"method": settings.method, "scale_search": settings.scale_search,
+                          "positive_scales": settings.positive_scales,
                           "act_order_static_groups": settings.act_order and settings.method == "gptq"}}
+
+
+@contextmanager
+def _stop_reason(stopped: Callable[[str], str]) -> Iterator[None]:
+    """A lost rank's message completed with where the run stopped and what it kept."""
+    try:
+        yield
+    except RankLost as exc:
+        raise RankLost(stopped(exc.cause)) from None
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSettings,
                         formats: list[Format] | None = None, *, overwrite: bool = False,
                         resume: bool = False, progress: bool = True,
-                        on_layer: Callable[[int, int], None] | None = None) -> QuantReport:
-    """Quantize ``src`` into ``dst`` in every one of ``formats`` (default: GPTQ)."""
+                        on_layer: Callable[[int, int], None] | None = None,
+                        team: Team | None = None) -> QuantReport:
+    """Quantize ``src`` into ``dst`` in every one of ``formats`` (default: GPTQ); ``team``:
+    this process's rank in a distributed run (``distributed.joined``), by default alone."""
     from tqdm import tqdm
 
+    team = team or Team()
     settings.validate()
     formats = formats or [get_format("gptq")]
     limits = check_formats(formats, settings)
@@ -246,73 +274,98 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
     threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
     mmap_pinned = pin_mmap_threshold(threshold)
-    ckpt = open_checkpoint(src)
-    for fmt in formats:
-        why = fmt.refuse_source(ckpt.config)
-        if why:
-            ckpt.close()
-            raise CpuQuantError(f"--format {fmt.name}: {why}")
-    check_source(ckpt, settings)
-    stream = LayerStream(ckpt)
+    try:  # Ctrl-C or SIGTERM before the staging directory exists: nothing to keep
+        # a bad --calib file is refused before the model is read
+        texts = [] if settings.data_free else load_texts(settings.calib, "calibration")
+        ckpt = open_checkpoint(src)
+        for fmt in formats:
+            why = fmt.refuse_source(ckpt.config)
+            if why:
+                ckpt.close()
+                raise CpuQuantError(f"--format {fmt.name}: {why}")
+        check_source(ckpt, settings)
+        stream = LayerStream(ckpt)
+        layer_plans, head_plan = plan_model(stream, settings, limits)
+        batches = [] if settings.data_free else calibration_batches(src, settings, texts)
+        fingerprint = run_fingerprint(ckpt, settings, layout, batches)
+    except KeyboardInterrupt:
+        kept = "; the interrupted run is kept for --resume" if resume else ""
+        raise Interrupted("interrupted while reading the source and the calibration text; "
+                          f"nothing was saved{kept}") from None
     report = QuantReport(settings=asdict(settings), layout=layout, provenance=provenance(src))
     report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
                                                   else _env_mmap_threshold())
-    batches = [] if settings.data_free else calibration_batches(src, settings)
     report.calibration_tokens = sum(b.numel() for b in batches)
-    fingerprint = run_fingerprint(ckpt, settings, layout, batches)
+    team.agree_on_run(fingerprint)
+    team.check_batches(len(batches))
+    shard = team.shard(len(batches))  # this rank's batches
+    batches = batches[shard.start:shard.stop]
 
-    staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src])
+    staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src],
+                          keep_on_interrupt=True)
     where = {"phase": "the calibration pass", "saved": 0}
 
-    def interrupted() -> str:
+    resume_point = ResumePoint()
+
+    def stopped(why: str) -> str:
         """The stop message; the staging directory is kept when it holds a resume point."""
-        n, saved = stream.n_layers, where["saved"]
+        resume_point.settle()  # what is on disk, once the write in flight has ended
+        # another rank than 0 reads what rank 0 wrote (it may have died before writing)
+        saved = where["saved"] if team.writer else saved_layers(out_staging)
+        n = stream.n_layers
         if not saved and not resume:
-            return f"interrupted during {where['phase']}; no layer was finished, nothing was saved"
+            return f"{why} during {where['phase']}; no layer was finished, nothing was saved"
         staged.keep_on_exit = True
         layers = f"layers 1-{saved} of {n} are" if saved != 1 else f"layer 1 of {n} is"
-        return (f"interrupted during {where['phase']}; {layers} saved in {staged.staging}: run "
+        return (f"{why} during {where['phase']}; {layers} saved in {staged.staging}: run "
                 "the same command with --resume to continue")
 
-    with staged as out, StopRequest(interrupted) as stop, ResumePoint() as resume_point:
-        state = load_state(out, fingerprint) if resume else RunState(fingerprint)
+    def interrupted() -> str:
+        return stopped(team.trouble() or team.cause or "interrupted")
+
+    scratch = team.scratch(CACHE_DIR)
+    out_staging = staged.staging
+    with (team.enter(staged) as out, StopRequest(interrupted) as stop, resume_point,
+          _stop_reason(stopped)):
+        if resume:
+            state = team.from_writer(load_state(out, fingerprint, stream.n_layers)
+                                     if team.writer else None)
+        else:
+            state = RunState(fingerprint)
         where["saved"] = state.completed_layers
         offload = settings.offload_activations
         if not batches:
             hidden = []
         elif state.completed_layers:  # resumed: record the layers' call arguments only
             stream.capture(batches, into=Discard())
-            hidden = restore_hidden(out, state.completed_layers, len(batches), offload,
-                                    fingerprint)
+            hidden = restore_hidden(out, state.completed_layers, shard, offload, fingerprint)
         else:
-            hidden = stream.capture(batches, into=DiskActivations(out.path(ACTIVATIONS_DIR), 0)
-                                    if offload else [])
+            hidden = stream.capture(batches, into=DiskActivations(
+                out.path(ACTIVATIONS_DIR), 0, offset=shard.start) if offload else [])
         if isinstance(hidden, list):  # in memory: one slab, each layer's outputs written over it
             hidden = one_slab(hidden)
         kill_point("calibration")
-        sinks = SinkSet(formats, out.staging, stream.n_layers, state.sinks)
+        sinks = (SinkSet(formats, out.staging, stream.n_layers, state.sinks) if team.writer
+                 else NoSinks())
 
         def new_store(name: str, rows: list[int] | None) -> BatchStore:
-            return BatchStore(out.path(CACHE_DIR) / name if offload else None, rows)
+            return BatchStore(out.path(scratch) / name if offload else None, rows)
 
-        quantizer = LayerQuantizer(stream, ckpt, settings, limits, sinks, state, new_store)
-        plans: list[LinearPlan] = []
+        quantizer = LayerQuantizer(stream, ckpt, settings, limits, sinks, state, new_store, team)
         for i in tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress):
-            layer_plans = quantizer.plan(i)
-            plans.extend(layer_plans.values())
             if i < state.completed_layers:
                 continue
             t0 = time.perf_counter()
             where["phase"] = f"layer {i + 1} of {stream.n_layers}"
             kill_point("layer-start")
             stream.load_layer(i)
-            outputs = quantizer.layer(i, layer_plans, hidden)
+            outputs = quantizer.layer(i, layer_plans[i], hidden)
             kill_point("layer-computed")
             previous = hidden
             if outputs is not None:
                 resume_point.wait()  # the resume point being written reads this slab
                 hidden = hidden.rewrite(outputs) if offload else in_place(outputs, hidden)
-            shutil.rmtree(out.path(CACHE_DIR), ignore_errors=True)
+            shutil.rmtree(out.path(scratch), ignore_errors=True)
             stream.unload_layer(i)
             sinks.end_layer(i)
             release_free_heap()
@@ -320,28 +373,33 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             state.completed_layers = i + 1
             state.sinks = sinks.state()
             snapshot = asdict(state)
+            save = functools.partial(where.__setitem__, "saved", i + 1)
             if hidden and not offload:
-                resume_point.write(functools.partial(write_resume_point, out, dict(enumerate(hidden)),
-                                                     snapshot))
+                resume_point.write(functools.partial(
+                    write_resume_point, out, {shard.start + b: h for b, h in enumerate(hidden)},
+                    snapshot, team.resume_part(), team.all_written), then=save)
             else:
-                out.write_json(STATE_FILE, snapshot)
-            where["saved"] = i + 1  # on disk once the write above ends (joined on any exit)
+                if team.all_written():
+                    out.write_json(STATE_FILE, snapshot)
+                save()
             kill_point("layer-end")
-            if offload and previous:
-                previous.drop()  # the state now points at the next generation
+            if offload and previous and team.writer:
+                previous.drop()  # the state now points at the next generation (every rank's)
             del previous
+            team.end_layer(str(i))
             if on_layer is not None:
                 on_layer(i, stream.n_layers)
 
         # -- the outer tensors and the head --------------------------------------------------
         t0 = time.perf_counter()
         where["phase"] = "the output head"
-        head_plan = quantizer.outer(hidden)
+        quantizer.outer(hidden, head_plan)
+        team.end_layer("head")
         sinks.end_layer(stream.n_layers)
         report.head_quantized = head_plan.quantize
         report.head_seconds = round(time.perf_counter() - t0, 3)
 
-        all_plans = plans + [head_plan]
+        all_plans = [p for plans in layer_plans for p in plans.values()] + [head_plan]
         dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason],
                                     settings.group_size)
         report.plan_notes = [f"{p.name}: {p.reason}" for p in all_plans if p.reason]
@@ -353,29 +411,37 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         report.true_sequential_layers = state.true_sequential_layers
         report.phase_seconds = state.phase_seconds
         resume_point.wait()
-        stop.defer()  # the artifact is computed: writing it takes seconds, finish it
-        kill_point("final-write")
-        out.path(STATE_FILE).unlink(missing_ok=True)
-        remove_hidden_files(out)
-        shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
-        sinks.finish(ArtifactInfo(src, ckpt.config, settings.group_size, head_plan.quantize,
-                                  dynamic, settings.symmetric,
-                                  _quantization_extra(settings, report.provenance["cpu_quant"]),
-                                  asdict(report)))
-        kill_point("commit")
-        final = out.commit()
+        report.distributed = team.summary(time.perf_counter() - t_start)
+        if team.writer:
+            final = _write_artifact(out, stop, sinks, ArtifactInfo(
+                src, ckpt.config, settings.group_size, head_plan.quantize, dynamic,
+                settings.symmetric, _quantization_extra(settings, report.provenance["cpu_quant"]),
+                asdict(report)))
     ckpt.close()
-    report.provenance["output"] = str(final)
-    report.outputs = {name: str(final / d.relative_to(out.staging))
-                      for name, d in sinks.directories.items()}
+    if team.writer:
+        report.provenance["output"] = str(final)
+        report.outputs = {name: str(final / d.relative_to(out.staging))
+                          for name, d in sinks.directories.items()}
     return report
+
+
+def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: ArtifactInfo
+                    ) -> Path:
+    """The computed artifact: the resume files removed, every format finished, the staging
+    directory renamed into place."""
+    stop.defer()  # the artifact is computed: writing it takes seconds, finish it
+    kill_point("final-write")
+    out.path(STATE_FILE).unlink(missing_ok=True)
+    remove_hidden_files(out)
+    shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
+    sinks.finish(info)
+    kill_point("commit")
+    return out.commit()
 
 
 def update_report(dst: Path, **fields) -> dict:
     path = Path(dst) / "quantization_report.json"
     data = json.loads(path.read_text())
     data.update(fields)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, data)
     return data

@@ -7,6 +7,11 @@ activations entering the next layer (``cpu_quant_hidden-<completed_layers>.safet
 ``cpu_quant_state.json`` (:class:`RunState`), which names them; the previous layer's
 activations are deleted only after the state. A crash at any point leaves whole layers, and a
 resume checks that the activations are those of the state's layer and run.
+
+A distributed run (``distributed.py``) keeps the same point: each rank writes the activations
+of its own batches (``cpu_quant_hidden-<layer>-b<first batch>.safetensors``, tensors named by
+the run's batch index), and rank 0 writes the state once every rank's are on disk. A resume
+reads each batch from whichever file holds it, so it may use another number of ranks.
 :func:`run_fingerprint` ties a resume to the same source (down to sampled tensor bytes),
 settings, formats and calibration tokens.
 """
@@ -52,17 +57,24 @@ class ResumePoint:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def write(self, job: Callable[[], None]) -> None:
+    def write(self, job: Callable[[], None], then: Callable[[], None] = lambda: None) -> None:
+        """Run ``job`` in the background, then ``then`` once it succeeded."""
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(job,), name="cpu-quant-resume",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(job, then),
+                                        name="cpu-quant-resume", daemon=True)
         self._thread.start()
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _run(self, job: Callable[[], None], then: Callable[[], None]) -> None:
         try:
             job()
+            then()
         except BaseException as exc:  # raised again by wait(), in the main thread
             self._error = exc
+
+    def settle(self) -> None:
+        """Let the write in flight end (its error, if any, is raised by :meth:`wait`)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -82,26 +94,49 @@ class ResumePoint:
             self._thread.join()
 
 
-def hidden_file(completed_layers: int) -> str:
-    """The in-memory run's saved activations entering layer ``completed_layers``."""
-    return f"{HIDDEN_PREFIX}{completed_layers:05d}.safetensors"
+def hidden_file(completed_layers: int, first_batch: int | None = None) -> str:
+    """The in-memory run's saved activations entering layer ``completed_layers``: all of them,
+    or (a distributed rank's part) those of the batches from ``first_batch`` on."""
+    part = "" if first_batch is None else f"-b{first_batch:05d}"
+    return f"{HIDDEN_PREFIX}{completed_layers:05d}{part}.safetensors"
 
 
-def write_resume_point(out: StagedOutput, hidden: dict[int, torch.Tensor], state: dict) -> None:
-    """The activations, stamped with their layer and the run's fingerprint, then the state
-    that names them, then the previous activations: a kill at any point leaves a state whose
-    activations are on disk (a layer never applied twice)."""
+def _hidden_layer(path: Path) -> int | None:
+    digits = path.name[len(HIDDEN_PREFIX):len(HIDDEN_PREFIX) + 5]
+    return int(digits) if digits.isdigit() else None
+
+
+def write_resume_point(out: StagedOutput, hidden: dict[int, torch.Tensor], state: dict,
+                       first_batch: int | None = None,
+                       all_written: Callable[[], bool] = lambda: True) -> None:
+    """The activations (``hidden``: batch index -> tensor), stamped with their layer and the
+    run's fingerprint, then the state that names them, then the older activations: a kill at
+    any point leaves a state whose activations are on disk (a layer never applied twice).
+
+    A distributed rank names its file after ``first_batch``; ``all_written()`` returns once
+    every rank's activations are on disk, True on the rank that writes the state."""
     layer = state["completed_layers"]
-    name = hidden_file(layer)
+    name = hidden_file(layer, first_batch)
     write_safetensors(out.path(name), {f"batch.{b}": h for b, h in hidden.items()},
                       metadata={"format": "pt", "completed_layers": str(layer),
                                 "fingerprint": fingerprint_digest(state["fingerprint"])})
     kill_point("resume-activations")
+    if not all_written():
+        return
     out.write_json(STATE_FILE, state)
     kill_point("resume-state")
     for old in out.staging.glob(f"{HIDDEN_PREFIX}*.safetensors"):
-        if old.name != name:
+        # older layers only: a rank ahead of this one may already be writing the next layer's
+        if (_hidden_layer(old) or 0) < layer:
             old.unlink(missing_ok=True)
+
+
+def saved_layers(staging: Path) -> int:
+    """The layers a run's state file in ``staging`` says are complete (0 if none is readable)."""
+    try:
+        return int(json.loads((staging / STATE_FILE).read_text())["completed_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def remove_hidden_files(out: StagedOutput) -> None:
@@ -165,18 +200,18 @@ def fingerprint_digest(fingerprint: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
 
 
-def _saved_hidden(out: StagedOutput, completed: int, fingerprint: dict[str, str]) -> Path:
-    """The in-memory run's activations entering layer ``completed``, checked against the state
-    (their layer) and the run (their fingerprint)."""
-    path = out.path(hidden_file(completed))
-    if not path.is_file():
-        raise CpuQuantError(f"{out.staging} lacks the calibration activations of layer {completed}; "
-                            "run without --resume to start over")
+def _check_hidden(path: Path, completed: int, fingerprint: dict[str, str]) -> list[str]:
+    """The tensor names of a saved activations file, checked against the state (their layer)
+    and the run (their fingerprint)."""
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
+            keys = list(fh.keys())
     except Exception:  # safetensors raises its own error types for a torn or foreign file
         raise CpuQuantError(f"{path} is corrupted; run without --resume to start over") from None
+    if "completed_layers" not in meta:
+        raise CpuQuantError(f"cannot resume: {path.name} carries no layer stamp, so it cannot "
+                            "be told to be the state's; run without --resume to start over")
     if meta.get("completed_layers") != str(completed):
         raise CpuQuantError(f"cannot resume: {path.name} holds the activations of layer "
                             f"{meta.get('completed_layers')}, the state says {completed}; run "
@@ -184,38 +219,65 @@ def _saved_hidden(out: StagedOutput, completed: int, fingerprint: dict[str, str]
     if meta.get("fingerprint") != fingerprint_digest(fingerprint):
         raise CpuQuantError(f"cannot resume: {path.name} was written by another run; run without "
                             "--resume to start over")
-    return path
+    return keys
 
 
-def restore_hidden(out: StagedOutput, completed: int, n_batches: int, offload: bool,
+def restore_hidden(out: StagedOutput, completed: int, batches: range, offload: bool,
                    fingerprint: dict[str, str]):
-    """The activations entering layer ``completed``, as the interrupted run saved them (in
-    memory or offloaded), in the form this run asked for."""
+    """The activations of ``batches`` entering layer ``completed``, as the interrupted run
+    saved them (in memory or offloaded, by one process or by several ranks), in the form this
+    run asked for."""
     gen_dir = out.path(ACTIVATIONS_DIR)
     if (gen_dir / f"gen-{completed:05d}").is_dir():
-        store = DiskActivations.open(gen_dir, completed, n_batches)
+        store = DiskActivations.open(gen_dir, completed, len(batches), batches.start)
         return store if offload else list(store)
-    path = _saved_hidden(out, completed, fingerprint)
-    saved = load_file(path)
-    hidden = [saved[f"batch.{b}"] for b in range(n_batches)]
+    wanted = {f"batch.{b}": b for b in batches}
+    found: dict[int, torch.Tensor] = {}
+    whole: list[Path] = []  # files holding only batches of this run's share
+    for path in sorted(out.staging.glob(f"{HIDDEN_PREFIX}{completed:05d}*.safetensors")):
+        keys = _check_hidden(path, completed, fingerprint)
+        mine = [k for k in keys if k in wanted]
+        if mine:
+            saved = load_file(path)
+            found.update({wanted[k]: saved[k] for k in mine})
+            if len(mine) == len(keys):
+                whole.append(path)
+    missing = [b for b in batches if b not in found]
+    if missing:
+        raise CpuQuantError(f"{out.staging} lacks the calibration activations of layer {completed}"
+                            f"{'' if len(missing) == len(batches) else f' (batch {missing[0]})'}; "
+                            "run without --resume to start over")
+    hidden = [found[b] for b in batches]
     if not offload:
         return hidden
-    store = DiskActivations(gen_dir, completed)
+    store = DiskActivations(gen_dir, completed, offset=batches.start)
     for h in hidden:
         store.append(h)
-    path.unlink()
+    for path in whole:
+        path.unlink()
     return store
 
 
-def load_state(out: StagedOutput, fingerprint: str) -> RunState:
+# the state's fields a resume relies on, with their JSON types
+STATE_TYPES = {"fingerprint": dict, "completed_layers": int, "tensors": list,
+               "layer_seconds": list, "sinks": dict}
+
+
+def load_state(out: StagedOutput, fingerprint: dict[str, str], n_layers: int) -> RunState:
+    """The interrupted run's state, when it is whole, of a model of ``n_layers`` layers and of
+    this run (``fingerprint``); else a one-line refusal that leaves the partial run as it is."""
     path = out.path(STATE_FILE)
     if not path.is_file():
         raise CpuQuantError(f"nothing to resume: {out.staging} holds no completed layer")
+    corrupted = CpuQuantError(f"{path} is corrupted; run without --resume to start over")
     try:
         data = json.loads(path.read_text())
         state = RunState(**data)
-    except (json.JSONDecodeError, TypeError):
-        raise CpuQuantError(f"{path} is corrupted; run without --resume to start over") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+        raise corrupted from None
+    if any(not isinstance(data.get(k), kind) or isinstance(data.get(k), bool)
+           for k, kind in STATE_TYPES.items()) or not 1 <= state.completed_layers <= n_layers:
+        raise corrupted
     saved = state.fingerprint if isinstance(state.fingerprint, dict) else {}
     differ = [what for part, what in FINGERPRINT_PARTS.items() if saved.get(part) != fingerprint[part]]
     if differ:

@@ -12,6 +12,10 @@ than no search at all. Candidates:
 * the plain absmax scale ``amax / 8`` (so the search can never lose to it);
 * ``±amax / d`` for divisors ``d`` on a grid from shrinking to growing the range, with both
   signs, so the group's signed extreme may land on the otherwise unused ``-8`` level;
+* with ``positive`` (the phone's convention: XNNPACK and QNN store positive block scales
+  only), the candidates are ``+|amax| / d``: a negative extreme still lands on ``-8``, a
+  positive one on ``+7`` (``d = 7`` is on the grid); the refit of positive-scale codes is
+  never negative (each code has its weight's sign), so every returned scale is ``>= 0``;
 * each candidate's codes get a weighted least-squares refit of the scale
   ``s* = Σ d w (q-8) / Σ d (q-8)²``, rounded to bf16, and the refit is iterated from the best.
 
@@ -27,9 +31,24 @@ both ends of the range and refits ``(s, z)`` jointly by weighted least squares.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .grid import QMAX, QMIN, QZERO, dequantize_codes, quantize_codes, round_scale
+
+
+@dataclass(frozen=True)
+class SignedLevels:
+    """The signed codes ``a ∈ [lo, hi]`` of a symmetric grid ``w ≈ a·s``."""
+
+    lo: int
+    hi: int
+    bits: int
+
+
+INT4 = SignedLevels(QMIN - QZERO, QMAX - QZERO, 4)  # -8..7: q - 8 of the 4-bit grid
+INT8 = SignedLevels(-128, 127, 8)  # the phone programs' 8-bit weights, one scale per channel
 
 # Divisors of the group's absmax: below 8 grows the step (clipping less often impossible,
 # fewer levels used), above 8 shrinks it (clips the extreme). 8 is plain absmax.
@@ -43,9 +62,18 @@ def _weighted_error(w: torch.Tensor, d: torch.Tensor, q: torch.Tensor, s: torch.
     return (err * err * d).sum(-1)
 
 
-def absmax_scales(w: torch.Tensor) -> torch.Tensor:
-    """Plain RTN: ``amax / 8`` per group (last dim), rounded to bf16. Shape [..., 1]."""
-    return round_scale(w.abs().amax(-1, keepdim=True) / QZERO)
+def absmax_scales(w: torch.Tensor, levels: SignedLevels = INT4) -> torch.Tensor:
+    """Plain RTN: ``amax / 8`` per group (last dim; ``amax / -lo`` for other ``levels``),
+    rounded to bf16. Shape [..., 1]."""
+    return round_scale(w.abs().amax(-1, keepdim=True) / -levels.lo)
+
+
+def quantize_signed(w: torch.Tensor, scale: torch.Tensor, levels: SignedLevels) -> torch.Tensor:
+    """Nearest signed code ``a`` for ``w ≈ a·scale`` (int8); a zero scale gives 0. For
+    :data:`INT4` this is ``quantize_codes(w, scale) - 8``, computed the same way."""
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    a = torch.round(w / safe).clamp_(levels.lo, levels.hi)
+    return torch.where(scale == 0, torch.zeros_like(a), a).to(torch.int8)
 
 
 def _weights(w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
@@ -65,17 +93,17 @@ class _SymmetricSearch:
     which is at most the absmax baseline's.
     """
 
-    def __init__(self, w: torch.Tensor, d: torch.Tensor) -> None:
-        self.w, self.d = w, d
+    def __init__(self, w: torch.Tensor, d: torch.Tensor, levels: SignedLevels = INT4) -> None:
+        self.w, self.d, self.levels = w, d, levels
         self.dw = d * w
         self.sw2 = (self.dw * w).sum(-1, keepdim=True)
-        self.best_s = absmax_scales(w)
+        self.best_s = absmax_scales(w, levels)
         num, den = self._stats(self.best_s)
         self.best_e = self._err(self.best_s, num, den)
 
     def _stats(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
-        a = torch.clamp(torch.round(self.w * inv), QMIN - QZERO, QMAX - QZERO)
+        a = torch.clamp(torch.round(self.w * inv), self.levels.lo, self.levels.hi)
         num = (self.dw * a).sum(-1, keepdim=True)
         den = (self.d * a * a).sum(-1, keepdim=True)
         return num, den
@@ -100,29 +128,47 @@ def _direct_error(w: torch.Tensor, d: torch.Tensor, s: torch.Tensor, z: torch.Te
     return _weighted_error(w, d, quantize_codes(w, s, z), s, z).unsqueeze(-1)
 
 
-def _no_worse(w: torch.Tensor, d: torch.Tensor, best: torch.Tensor, baseline: torch.Tensor
-              ) -> torch.Tensor:
+def _signed_error(w: torch.Tensor, d: torch.Tensor, s: torch.Tensor, levels: SignedLevels
+                  ) -> torch.Tensor:
+    err = w - quantize_signed(w, s, levels).to(torch.float32) * s
+    return (err * err * d).sum(-1, keepdim=True)
+
+
+def _no_worse(w: torch.Tensor, d: torch.Tensor, best: torch.Tensor, baseline: torch.Tensor,
+              levels: SignedLevels = INT4) -> torch.Tensor:
     """The closed form cancels: for a group whose error is far below ``Σdw²`` two nearly tied
     candidates can swap order in float32 (found by the property test: 73.6730 against the
     baseline's 73.6729). The winner is checked against the baseline once, computed directly."""
-    return torch.where(_direct_error(w, d, best) <= _direct_error(w, d, baseline), best, baseline)
+    if levels == INT4:
+        keep = _direct_error(w, d, best) <= _direct_error(w, d, baseline)
+    else:
+        keep = _signed_error(w, d, best, levels) <= _signed_error(w, d, baseline, levels)
+    return torch.where(keep, best, baseline)
 
 
-def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = None) -> torch.Tensor:
+def search_symmetric_scales(w: torch.Tensor, importance: torch.Tensor | None = None,
+                            positive: bool = False, levels: SignedLevels = INT4) -> torch.Tensor:
     """Best symmetric scale per group.
 
     w: float32 [..., g] (groups along the last dim). importance: broadcastable to ``w``, >= 0,
-    or None for uniform. Returns bf16-representable float32 scales of shape [..., 1].
+    or None for uniform. ``positive``: only scales >= 0 (see the module docstring).
+    ``levels``: the code range (the 4-bit grid by default; the divisors scale with it, so
+    :data:`INT8` searches ``amax / 80 .. amax / 152``). Returns bf16-representable float32
+    scales of shape [..., 1].
     """
     w = w.to(torch.float32)
-    search = _SymmetricSearch(w, _weights(w, importance))
+    search = _SymmetricSearch(w, _weights(w, importance), levels)
     extreme = torch.gather(w, -1, w.abs().argmax(-1, keepdim=True))  # signed largest magnitude
+    signs = (1.0,) if positive else (-1.0, 1.0)
+    if positive:
+        extreme = extreme.abs()
+    stretch = -levels.lo / QZERO
     for div in SYM_DIVISORS:
-        for sign in (-1.0, 1.0):
-            search.consider(round_scale(sign * extreme / div))
+        for sign in signs:
+            search.consider(round_scale(sign * extreme / (div * stretch)))
     for _ in range(REFIT_ROUNDS):
         search.consider(search.best_s)
-    return _no_worse(w, search.d, search.best_s, absmax_scales(w))
+    return _no_worse(w, search.d, search.best_s, absmax_scales(w, levels), levels)
 
 
 def weighted_error(w: torch.Tensor, scale: torch.Tensor, importance: torch.Tensor | None = None,

@@ -1,18 +1,24 @@
 """The job schedule: a layer's linears stacked, cut into row blocks and shared out to threads.
 
 :func:`quantize_linears` turns a list of :class:`QuantJob` (weight, plan, Hessian) into
-:class:`GroupQuant` results, bit-identical to quantizing one job at a time.
+:class:`GroupQuant` results, bit-identical to quantizing one job at a time. Which row blocks
+this process sweeps is a :class:`RowShare`'s decision: all of them (:class:`LocalRows`), or in a
+distributed run its rank's share, the others' results received from their ranks
+(``distributed.TeamRows``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from .gptq import (
+    GPTQStats,
     GridSpec,
     HessianPrep,
     prepare_hessian,
@@ -38,6 +44,48 @@ def torch_threads(n: int):
 
 
 ROW_BLOCK = 4096  # output rows quantized at a time
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``r0:r1`` of stack ``stack`` (jobs sharing a Hessian), swept by rank ``owner``."""
+
+    stack: int
+    r0: int
+    r1: int
+    owner: int
+
+
+class RowShare(Protocol):
+    """Which process sweeps which rows, and how the results reach every process."""
+
+    rank: int
+
+    def cut(self, stack: int, rows: int) -> list[Piece]:
+        """Pieces covering rows ``0:rows`` in order, none taller than ROW_BLOCK."""
+        ...
+
+    def exchange(self, pieces: list[Piece], mine: dict[Piece, GroupQuant],
+                 empty: Callable[[Piece], GroupQuant]) -> dict[Piece, GroupQuant]:
+        """Every piece's result, from this process's own (``mine``); ``empty(piece)`` makes
+        a result of the piece's shape to receive into."""
+        ...
+
+
+class LocalRows:
+    """The single process: every row block is its own."""
+
+    rank = 0
+
+    def cut(self, stack: int, rows: int) -> list[Piece]:
+        return [Piece(stack, r0, min(r0 + ROW_BLOCK, rows), 0) for r0 in range(0, rows, ROW_BLOCK)]
+
+    def exchange(self, pieces: list[Piece], mine: dict[Piece, GroupQuant],
+                 empty: Callable[[Piece], GroupQuant]) -> dict[Piece, GroupQuant]:
+        return mine
+
+
+LOCAL_ROWS = LocalRows()
 
 
 @dataclass
@@ -70,8 +118,8 @@ def _cat(parts: list[GroupQuant]) -> GroupQuant:
                       parts[0].group_size)
 
 
-def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSpec
-                     ) -> list[tuple[GroupQuant, TensorReport]]:
+def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSpec,
+                     share: RowShare = LOCAL_ROWS) -> list[tuple[GroupQuant, TensorReport]]:
     """Quantize every job; results in the jobs' order, bit-identical to one job at a time.
 
     GPTQ and the scale search treat every output row on its own, which this uses three ways:
@@ -93,12 +141,11 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
         stacks.setdefault(key, []).append(j)
     stacked = [(members, jobs[members[0]], torch.cat([jobs[j].weight for j in members])
                 if len(members) > 1 else jobs[members[0]].weight) for members in stacks.values()]
-    units = [(s, r0) for s, (_, _, w) in enumerate(stacked) for r0 in range(0, w.shape[0], ROW_BLOCK)]
+    pieces = [p for s, (_, _, w) in enumerate(stacked) for p in share.cut(s, w.shape[0])]
+    mine = [p for p in pieces if p.owner == share.rank]
 
-    def size(unit):
-        s, r0 = unit
-        rows, cols = stacked[s][2].shape
-        return min(ROW_BLOCK, rows - r0) * cols
+    def size(piece: Piece) -> int:
+        return (piece.r1 - piece.r0) * stacked[piece.stack][2].shape[1]
 
     # each distinct Hessian's Cholesky once, on every thread
     preps: dict[int, HessianPrep] = {}
@@ -108,15 +155,15 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
                 preps[id(lead.hessian)] = prepare_hessian(lead.hessian, act_order=settings.act_order,
                                                           damp=settings.damp)
 
-    def run(unit):
-        s, r0 = unit
-        _, lead, w = stacked[s]
+    def run(piece: Piece):
+        _, lead, w = stacked[piece.stack]
         prep = None if lead.hessian is None else preps.get(id(lead.hessian))
-        return unit, _quantize_rows(w[r0:r0 + ROW_BLOCK], lead.plan.group_size, lead.hessian,
-                                    settings, grid, prep)
+        gq, _ = _quantize_rows(w[piece.r0:piece.r1], lead.plan.group_size, lead.hessian,
+                               settings, grid, prep)
+        return piece, gq
 
-    order = sorted(units, key=size, reverse=True)
-    workers = max(1, min(torch.get_num_threads(), len(units)))
+    order = sorted(mine, key=size, reverse=True)
+    workers = max(1, min(torch.get_num_threads(), len(mine)))
     with torch_threads(1):
         if workers == 1:
             results = dict(map(run, order))
@@ -126,11 +173,20 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
                 results = dict(pool.map(run, order))
             finally:  # a stop (Ctrl-C) drops the blocks not yet started
                 pool.shutdown(wait=True, cancel_futures=True)
+    def empty(piece: Piece) -> GroupQuant:
+        _, lead, w = stacked[piece.stack]
+        k = w.shape[1]
+        g = k if lead.plan.group_size == -1 else lead.plan.group_size
+        shape = (piece.r1 - piece.r0, k // g)
+        return GroupQuant(torch.empty(piece.r1 - piece.r0, k, dtype=torch.uint8),
+                          torch.empty(shape), None if grid.symmetric else torch.empty(shape), g)
+
+    results = share.exchange(pieces, results, empty)
     out: dict[int, tuple[GroupQuant, TensorReport]] = {}
-    for s, (members, lead, w) in enumerate(stacked):
-        blocks = [results[(s, r0)] for r0 in range(0, w.shape[0], ROW_BLOCK)]
-        gq = _cat([b[0] for b in blocks])
-        stats = blocks[-1][1]
+    for s, (members, lead, _) in enumerate(stacked):
+        gq = _cat([results[p] for p in pieces if p.stack == s])
+        prep = None if lead.hessian is None else preps.get(id(lead.hessian))
+        stats = None if prep is None else GPTQStats(prep.damp, prep.damp_raised)
         importance = None if lead.hessian is None else torch.diag(lead.hessian)
         a = 0
         for j in members:

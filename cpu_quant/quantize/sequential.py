@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..io.safetensors_writer import write_safetensors
+from .hessians import GramSum, NewGramSum
 from .streaming import STORAGE_DTYPE, LayerDone
 
 
@@ -268,12 +269,13 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                         call: Callable[[int, torch.Tensor], torch.Tensor | None],
                         quantize_group: Callable[[tuple[str, ...], torch.Tensor], None],
                         new_store: Callable[[str, list[int] | None], BatchStore],
-                        gram: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[torch.Tensor]:
+                        gram: Callable[[torch.Tensor], torch.Tensor],
+                        new_sum: NewGramSum = GramSum) -> Iterator[torch.Tensor]:
     """Quantize ``layer`` group by group (``quantize_group(names, hessian)`` replaces their
     weights), then return the layer's outputs per batch (lazily, in ``STORAGE_DTYPE``).
 
     ``call(b, h)`` runs the layer on batch ``b`` and returns its output, or None when a hook
-    ended the batch (:class:`LayerDone`)."""
+    ended the batch (:class:`LayerDone`); ``new_sum(width)`` makes each group's Hessian sum."""
     modules = dict(layer.named_modules())
     # rows per batch, for the in-memory stores' slabs (an offloaded run's stores are on disk)
     rows = [h.shape[:-1].numel() for h in hidden] if isinstance(hidden, list) else None
@@ -284,14 +286,11 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
         block = tails.get(names[0])
         keep = new_store(block.child, rows) if block else None
         width = modules[names[0]].in_features
-        # made before the batches' temporaries, not among them (a long-lived block there
-        # would fragment the heap)
-        acc: list = [torch.zeros(width, width), 0]
+        acc = new_sum(width)  # made before the batches' temporaries (GramSum)
 
         def hook(module, args, keep=keep, acc=acc):
             x = args[0]
-            acc[0].add_(gram(x.reshape(-1, x.shape[-1])))
-            acc[1] += x.numel() // x.shape[-1]
+            acc.add(gram(x.reshape(-1, x.shape[-1])), x.numel() // x.shape[-1])
             if keep is not None:
                 keep.put(cur.b, x)
             raise LayerDone
@@ -304,7 +303,7 @@ def run_true_sequential(layer: nn.Module, structure: Structure, hidden: Iterable
                 cur.b = b
                 if call(b, h) is not None:
                     raise RuntimeError(f"{names[0]} did not see this batch's input")
-        quantize_group(names, 2.0 * acc[0] / max(acc[1], 1))
+        quantize_group(names, acc.hessian())
         if block is None:
             continue
         # the block's output, from its (now quantized) last linear: computed once here when

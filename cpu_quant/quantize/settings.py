@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..errors import CpuQuantError
 
 METHODS = ("gptq", "rtn")
+DEFAULT_RANK_TIMEOUT = 1800.0  # a distributed rank's wait for the others, in seconds (gloo's default)
 
 
 @dataclass
@@ -26,12 +27,17 @@ class QuantSettings:
     # calibration activations on disk between layers (same artifact, less memory, more I/O)
     offload_activations: bool = False
     symmetric: bool = True  # the grid: zero pinned at 8, or a free zero per group
+    # symmetric scales >= 0 only: the convention of the phone runtimes' int4 weights
+    # (export-phone); the default search may pick a negative scale to use the -8 level
+    positive_scales: bool = False
 
     def validate(self) -> None:
         if self.method not in METHODS:
             raise CpuQuantError(f"--method must be one of {', '.join(METHODS)}")
         if self.method == "gptq" and self.calib == "none":
             raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
+        if self.positive_scales and not self.symmetric:
+            raise CpuQuantError("--positive-scales applies to the symmetric grid only")
         if not 0 < self.damp <= 1:
             raise CpuQuantError("--damp must be in (0, 1]")
         for flag, value, least in (("--samples", self.samples, 1), ("--seqlen", self.seqlen, 2),
@@ -72,5 +78,7 @@ class QuantReport:
     # true-sequential layers); the rest of layer_seconds is the layer's forward passes and I/O
     phase_seconds: dict[str, float] = field(default_factory=dict)
     fidelity: dict | None = None
+    # a distributed run: world size, and each rank's batches, time, collectives and bytes moved
+    distributed: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)

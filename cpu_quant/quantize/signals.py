@@ -11,10 +11,12 @@ away. A second Ctrl-C falls back to Python's default (``KeyboardInterrupt``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from ..errors import Interrupted
 
@@ -52,8 +54,32 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Within the block SIGTERM does what Ctrl-C does (``KeyboardInterrupt``), so a command
+    stopped by a service manager or ``kill`` cleans up and says so instead of dying where it
+    stands. Only in the main thread (where signal handlers live)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        # only if the block left ours in place: a distributed rank that failed keeps SIGTERM
+        # ignored (``distributed.joined``) so that it lives to print its error
+        if signal.getsignal(signal.SIGTERM) is raise_interrupt:
+            signal.signal(signal.SIGTERM, previous)
+
+
 # -- the testing hook ------------------------------------------------------------------------
 KILL_AT_ENV = "CPU_QUANT_KILL_AT"
+KILL_STAMP_ENV = "CPU_QUANT_KILL_STAMP"  # a file the hook writes the signal's time.time() to
+KILL_RANK_ENV = "CPU_QUANT_KILL_RANK"
 _counts: dict[str, int] = {}
 
 
@@ -68,9 +94,14 @@ def kill_point(event: str) -> None:
     activations renamed into place, state not yet written), ``resume-state`` (state written,
     previous activations not yet deleted), ``head`` (before the output head's quantization),
     ``final-write`` (before the artifact's files are written) and ``commit`` (before the
-    staging directory is renamed to the output)."""
+    staging directory is renamed to the output). With ``CPU_QUANT_KILL_STAMP=FILE`` the hook
+    writes the time it sends the signal to FILE, so a benchmark can time the stop. In a
+    distributed run ``CPU_QUANT_KILL_RANK=R`` limits it to rank R (torch's ``RANK``)."""
     spec = os.environ.get(KILL_AT_ENV)
     if not spec:
+        return
+    rank = os.environ.get(KILL_RANK_ENV)
+    if rank is not None and rank != os.environ.get("RANK", "0"):
         return
     parts = spec.split(":")
     if parts[0] != event:
@@ -78,4 +109,8 @@ def kill_point(event: str) -> None:
     _counts[event] = _counts.get(event, 0) + 1
     if _counts[event] == int(parts[1]):
         sig = getattr(signal, parts[2]) if len(parts) > 2 else signal.SIGKILL
+        stamp = os.environ.get(KILL_STAMP_ENV)
+        if stamp:
+            with open(stamp, "w") as fh:
+                fh.write(repr(time.time()))
         os.kill(os.getpid(), sig)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import CpuQuantError
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import Checkpoint, empty_causal_lm, load_hf_config, tensors_disagree
 
 STORAGE_DTYPE = torch.bfloat16
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -92,24 +92,13 @@ def text_config(config):
 
 
 class LayerStream:
-    def __init__(self, ckpt: Checkpoint, trust_remote_code: bool = False) -> None:
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+    def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self.compute = compute_dtype()
-        try:
-            self.config = AutoConfig.from_pretrained(ckpt.path, trust_remote_code=trust_remote_code)
-        except Exception as exc:  # transformers raises many types for unknown configs
-            raise CpuQuantError(f"cannot read the model config: {str(exc).splitlines()[0]}") from None
+        self.config = load_hf_config(ckpt.path)  # never repository code
         for attr in ("use_cache",):
             setattr(self.config, attr, False)
-        with init_empty_weights(include_buffers=False):
-            try:
-                self.model = AutoModelForCausalLM.from_config(
-                    self.config, dtype=self.compute, trust_remote_code=trust_remote_code)
-            except ValueError as exc:
-                raise CpuQuantError(f"unsupported model: {str(exc).splitlines()[0]}") from None
+        self.model = empty_causal_lm(self.config, self.compute)
         self.model.eval()
         tcfg = text_config(self.config)
         self.n_layers = int(tcfg.num_hidden_layers)
@@ -123,22 +112,10 @@ class LayerStream:
 
     # -- checkpoint <-> model agreement -----------------------------------------------------
     def _check_tensor_names(self) -> None:
-        params = dict(self.model.named_parameters())
-        buffers = {n for n, _ in self.model.named_buffers()}
-        names = set(self.ckpt.names)
-        missing = [n for n in params if n not in names and not (n == "lm_head.weight" and self.tied)]
-        if missing:
-            raise CpuQuantError(f"config disagrees with the tensors: {missing[0]} is missing "
-                                f"({len(missing)} missing in all)")
-        extra = sorted(n for n in names if n not in params and n not in buffers
-                       and not n.endswith("rotary_emb.inv_freq"))
-        if extra:
-            raise CpuQuantError(f"config disagrees with the tensors: unexpected tensor {extra[0]} "
-                                f"({len(extra)} unexpected in all)")
-        for n, p in params.items():
-            if n in names and tuple(p.shape) != self.ckpt.shape(n):
-                raise CpuQuantError(f"config disagrees with the tensors: {n} has shape "
-                                    f"{list(self.ckpt.shape(n))}, the config implies {list(p.shape)}")
+        problem = tensors_disagree(self.model, {n: self.ckpt.shape(n) for n in self.ckpt.names},
+                                   self.tied)
+        if problem:
+            raise CpuQuantError(f"config disagrees with the tensors: {problem}")
 
     def _set_param(self, name: str, tensor: torch.Tensor) -> None:
         from accelerate.utils import set_module_tensor_to_device

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from html import escape
 from pathlib import Path
 
 from ..errors import CpuQuantError
+from ..io.artifact import write_text_atomic
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf"]
@@ -310,16 +310,26 @@ def render_report_html(report: dict, title: str) -> str:
 def write_report_html(directory: Path) -> Path:
     """Render ``directory/quantization_report.json`` to ``directory/report.html`` (atomically)."""
     directory = Path(directory)
+    if not directory.is_dir():
+        raise CpuQuantError(f"{directory} is not a directory (give a cpu-quant artifact's)")
     src = directory / "quantization_report.json"
     try:
         report = json.loads(src.read_text())
     except FileNotFoundError:
         raise CpuQuantError(f"{directory} has no quantization_report.json (not a cpu-quant "
                             "artifact?)") from None
-    except (OSError, ValueError) as exc:
-        raise CpuQuantError(f"cannot read {src}: {exc}") from None
+    except ValueError:
+        raise CpuQuantError(f"{src}: not valid JSON") from None
+    except OSError as exc:
+        raise CpuQuantError(f"cannot read {src}: {exc.strerror or exc}") from None
+    if not isinstance(report, dict):
+        raise CpuQuantError(f"{src}: not a JSON object")
+    try:
+        page = render_report_html(report, directory.name)
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError) as exc:
+        # a hand-edited or foreign report: one line naming what broke, not a traceback
+        raise CpuQuantError(f"{src}: a value has an unexpected type or shape ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}); cannot render it") from None
     out = directory / "report.html"
-    tmp = out.with_name(f".report.html.{os.getpid()}.tmp")
-    tmp.write_text(render_report_html(report, directory.name))
-    os.replace(tmp, out)
+    write_text_atomic(out, page)
     return out

@@ -17,7 +17,8 @@ What this module adds, through vLLM's public ``register_quantization_config``:
   ``weight_packed`` to the kernel layout in place, a chunk of whole output blocks at a time (the
   extra memory is one chunk, never a matrix). Forward calls the custom op
   ``cpu_quant::int4pack_linear`` (``tinygemm_runtime.py``): the tinygemm kernel for decode-sized
-  batches, dequantize-from-the-kernel-layout + bf16 GEMM for prefill; the batch-size branch is
+  batches, dequantize-from-the-kernel-layout + the dense GEMM of this CPU's kernel-table row for
+  prefill; the batch-size branch is
   inside the opaque op, so vLLM's compiled graph does not guard on it.
 
 The same method serves ``ParallelLMHead`` when ``lm_head`` is true (the logits processor calls
@@ -72,7 +73,7 @@ from ..formats.cpu_int4 import (
     scale_zero_storage,
 )
 from ..quantize.plan import group_for_module
-from ..tinygemm_runtime import KERNEL_MAX_ROWS, apply_int4pack
+from ..tinygemm_runtime import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
 
 NAME = "cpu_int4"
 ENV_SWITCH = "CPU_QUANT_PATCH_CPU_INT4"
@@ -190,8 +191,9 @@ class CpuInt4LinearMethod(LinearMethodBase):
             _load_logged = True
             layout = kernel_layout()
             logger.info("cpu_int4: tinygemm kernel layout %s (%d-row %s blocks); batches of up "
-                        "to %d rows use the kernel, larger ones dequantize + bf16 GEMM",
-                        layout.isa, layout.block_n, layout.full_block, KERNEL_MAX_ROWS)
+                        "to %d rows use the kernel, larger ones dequantize + %s GEMM",
+                        layout.isa, layout.block_n, layout.full_block, KERNEL_MAX_ROWS,
+                        PREFILL_GEMM)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

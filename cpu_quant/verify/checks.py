@@ -578,6 +578,33 @@ SELF_CONSISTENCY_CHECKS = (check_config, check_index, check_modules, check_forma
 OVERRIDE_TYPES = {"bits": int, "group_size": int, "sym": bool, "desc_act": bool}
 
 
+# the findings that say a checkpoint's files are damaged or disagree with its own config, as
+# opposed to a runtime's limits (a group, a grid or a dimension a kernel does not take)
+DAMAGE_CHECKS = frozenset({"file", "unusable-config", "shape", "completeness", "missing",
+                           "finite"})
+
+
+def _summary(errors: list[Finding]) -> str | None:
+    if not errors:
+        return None
+    first = errors[0]
+    return f"{len(errors)} error(s); first: {first.tensor or 'config'}: {first.message}"
+
+
+def inconsistency(path: str | Path) -> str | None:
+    """What verify's self-consistency checks find wrong with the checkpoint at ``path`` (the
+    count and the first error), or None: what convert must not write."""
+    return _summary(verify_checkpoint(path, SELF_CONSISTENCY_CHECKS).errors)
+
+
+def damage(path: str | Path) -> str | None:
+    """What verify finds damaged in the checkpoint at ``path`` (:data:`DAMAGE_CHECKS`: a tensor
+    missing or of the wrong dtype or shape, a non-finite value, an unusable config), or None:
+    what convert must not read and eval must not score. A runtime's limits (an asymmetric grid
+    vLLM's GPTQ path does not take) do not count: the weights are still what they say."""
+    return _summary([f for f in verify_checkpoint(path).errors if f.check in DAMAGE_CHECKS])
+
+
 def config_unusable(qcfg: dict) -> str | None:
     """Why per-module parameters cannot be derived from ``qcfg`` (wrong types, bad regex)."""
     for key, kind in OVERRIDE_TYPES.items():
@@ -607,7 +634,8 @@ def run_checks(ctx: Context, checks: tuple = CHECKS) -> None:
     """Run every applicable check; a check that cannot finish is itself an error finding."""
     why = config_unusable(ctx.qcfg)
     if why is not None:
-        ctx.report.findings.append(_err("config", None, f"{why}: per-module checks skipped"))
+        ctx.report.findings.append(_err("unusable-config", None,
+                                        f"{why}: per-module checks skipped"))
         checks = tuple(c for c in checks if c in CONFIG_FREE_CHECKS)
     for check in checks:
         try:
@@ -630,7 +658,7 @@ def _unreadable(root: Path, exc: CpuQuantError) -> VerifyReport | None:
         return None
     try:
         config = json.loads((root / "config.json").read_text())
-        qcfg = load_quantization_config(root, config) or {}
+        qcfg = (load_quantization_config(root, config) if isinstance(config, dict) else None) or {}
         spec = format_for(str(qcfg.get("quant_method", "")))
     except (json.JSONDecodeError, UnicodeDecodeError, CpuQuantError):
         spec = None

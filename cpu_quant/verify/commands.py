@@ -46,8 +46,10 @@ def verify(directory: Path, source: Path | None, as_json: bool) -> None:
     """Check an artifact (a GPTQ or cpu_int4 checkpoint directory, a GGUF file) at DIRECTORY;
     exit 1 when anything is wrong."""
     from .checks import verify_checkpoint
-    from .source import compare_with_source
+    from .source import check_source, compare_with_source
 
+    if source is not None:
+        check_source(source)  # an unusable --source is refused before the artifact's checks
     report = verify_checkpoint(directory)
     if source is not None:
         findings, report.source = compare_with_source(directory, source)

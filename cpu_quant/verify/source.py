@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CpuQuantError
 from ..formats import format_for_quant_method, format_owning
-from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.checkpoint import Checkpoint, check_float_weights, open_checkpoint
 from ..quantize.plan import HEAD_NAME
 from .findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
 from .findings import Finding, error
@@ -105,10 +105,34 @@ def _cause(src: Checkpoint, name: str, w: torch.Tensor, w_hat: torch.Tensor) -> 
     return "it matches no source weight of its shape (permuted, or another model's)"
 
 
+def _open_source(source: str | Path) -> Checkpoint:
+    """The source checkpoint, refused in one line when it cannot be the reference (unreadable,
+    integer weights)."""
+    try:
+        src = open_checkpoint(source)
+        check_float_weights(src)
+    except CpuQuantError as exc:
+        raise CpuQuantError(f"--source: {exc}") from None
+    return src
+
+
+def check_source(source: str | Path) -> None:
+    """Refuse an unusable ``--source`` (see :func:`_open_source`) in one line."""
+    _open_source(source).close()
+
+
+def _source_weight(src: Checkpoint, name: str) -> torch.Tensor:
+    """A source weight as float; a NaN or Inf in it is the source's fault, not the artifact's."""
+    try:
+        return src.tensor(name, check_finite=True).float()
+    except CpuQuantError as exc:
+        raise CpuQuantError(f"--source: {exc}") from None
+
+
 def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Finding], dict]:
     """(error findings, the JSON summary) of every quantized module of ``root`` against the
     weights of ``source``."""
-    src = open_checkpoint(source)
+    src = _open_source(source)
     results: list[ModuleSnr] = []
     findings: list[Finding] = []
     try:
@@ -117,7 +141,7 @@ def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Find
             if name is None:
                 findings.append(error("source", module, f"the source {source} has no weight for it"))
                 continue
-            w = src.tensor(name).float()
+            w = _source_weight(src, name)
             if tuple(w_hat.shape) != tuple(w.shape):
                 why = ("it is transposed" if tuple(w_hat.shape) == tuple(w.shape[::-1])
                        else f"the source's is {list(w.shape)}")

@@ -29,7 +29,8 @@ def random_module(n: int, k: int, group: int, seed: int = 0):
 
 def isa_check() -> dict:
     """Our packer, reader, in-place repack (whole and one-block chunks) and kernel-layout
-    dequantization, each against ``_convert_weight_to_int4pack_for_cpu``, bit-exact."""
+    dequantization (the bf16 reference and the transposed float32 fast path), each against
+    ``_convert_weight_to_int4pack_for_cpu``, bit-exact."""
     from cpu_quant.formats import cpu_int4 as tp
 
     layout = tp.kernel_layout()
@@ -57,6 +58,15 @@ def isa_check() -> dict:
         ref = tp.dequantize_cpu_int4(portable, scale, zero)
         got = tp.dequantize_kernel_rows(theirs, storage, group, 0, n)
         assert torch.equal(got, ref.to(torch.bfloat16)), f"kernel-layout dequant differs at {n}x{k}"
+        # the prefill's fast path: transposed, float32, whole and block by block (tails too)
+        assert torch.equal(layout.codes_t_(theirs, 0, n, torch.empty(k, n)),
+                           codes.t().float()), f"transposed codes differ at {n}x{k}"
+        whole = tp.dequantize_kernel_t_(theirs, storage, group, 0, n, torch.empty(k, n))
+        assert torch.equal(whole, ref.t()), f"transposed dequant differs at {n}x{k}"
+        for r, size in layout.blocks(n):
+            part = tp.dequantize_kernel_t_(theirs, storage, group, r, r + size,
+                                           torch.empty(k, size))
+            assert torch.equal(part, ref[r:r + size].t()), f"block {r} differs at {n}x{k}"
         # and the kernel itself reads what the layout says: one row through it equals the
         # float32 reference of that row (exact products, float32 sums)
         x = torch.zeros(1, k, dtype=torch.bfloat16)

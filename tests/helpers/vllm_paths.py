@@ -25,12 +25,25 @@ import os
 NEAR_TIE_NATS = {"w4a16": 0.3, "w4a8": 1.0}
 
 
-def vllm_gptq_path() -> str:
+def stock_vllm_gptq_path() -> str:
     """Which kernel vLLM's CPUWNA16LinearKernel runs a bf16 GPTQ layer on here
     (``vllm/model_executor/kernels/linear/mixed_precision/cpu.py``): ``int4_scaled_mm_cpu``
     (W4A8) where torch sees AMX tiles and ``VLLM_CPU_INT4_W4A8`` is not 0 (its default is 1),
     else ``cpu_gemm_wna16`` (W4A16)."""
     import torch
 
-    w4a8_switch = os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
-    return "w4a8" if torch.cpu._is_amx_tile_supported() and w4a8_switch else "w4a16"
+    return "w4a8" if torch.cpu._is_amx_tile_supported() and _w4a8_switch() else "w4a16"
+
+
+def vllm_gptq_path() -> str:
+    """The same with the cpu_quant plugin on (no switch set): W4A16 where its kernel table puts
+    GPTQ layers on tinygemm (bf16 activations), else vLLM's own choice."""
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    if serving_kernels(local_cpu(), _w4a8_switch()).gptq_kernel == "tinygemm":
+        return "w4a16"
+    return stock_vllm_gptq_path()
+
+
+def _w4a8_switch() -> bool:
+    return os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"

@@ -1,0 +1,138 @@
+"""Suite ``distributed``: data-parallel GPTQ, 2 ranks x 1 thread against 1 rank x 1 thread.
+
+Arms (interleaved by the harness, each pass a fresh process tree; the demo model, head
+quantized as by default, 128 x 512 calibration tokens of the built-in corpus, batch 8):
+
+``1-rank``   ``cpu-quant gptq SRC DST --threads 1 --samples 128 --seqlen 512 --batch-size 8
+             --calib austen --group 128 --no-eval --overwrite``
+``2-ranks``  the same with ``--nproc 2``: two ranks on this host (torch's elastic launcher,
+             gloo over loopback), one torch thread each
+
+The baseline is ``1-rank``; the wall-time ratio is taken per pass (the issue's target: at most
+0.6). Metrics: wall and CPU seconds of the whole command (start-up, tokenization and writing
+included) and peak RssAnon over the process tree. ``collect`` checks that the knobs reached the
+run (rule 4): the calibration tokens, the world size and each rank's thread count in the
+quantization report.
+
+Extras, from the run's ``quantization_report.json``: the tool's total seconds, its layer and
+head seconds, its phase seconds (GPTQ sweeps, Hessian products), and for the two ranks each
+rank's seconds, time inside collectives (waiting included) and bytes received and sent, per
+decoder layer and for the head; plus ``tensors_sha256``, one digest over every tensor of the
+artifact (``bit_identity.tensor_digests``): equal across the arms means the same artifact.
+``python -m benchmarks.dist_projection RESULT`` turns a result into the 8B projection.
+
+Smoke mode (CI): the tiny smoke model, 4 x 64 tokens in batches of 2 (each rank needs one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ..bit_identity import tensor_digests
+from ..harness import CPU_SECONDS, PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from .quantize import (
+    REAL,
+    SMOKE,
+    TIMEOUT_REAL,
+    TIMEOUT_SMOKE,
+    SuiteOptions,
+    check_cpu_quant_report,
+    cpu_quant_gptq_argv,
+    select,
+    source_model,
+)
+
+ARMS = {"1-rank": 1, "2-ranks": 2}  # arm -> processes, one torch thread each
+
+
+def tensors_sha256(directory: Path) -> str:
+    """One digest over every tensor of an artifact, by name (whatever its sharding)."""
+    digests = tensor_digests(directory)
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+def layer_traffic(dist: dict) -> dict:
+    """Bytes and collective seconds per decoder layer (median over the layers) and for the
+    head, for every rank."""
+    import statistics
+
+    out = []
+    for rank in dist["ranks"]:
+        layers = [x for x in rank["layers"] if x["layer"] != "head"]
+        head = next(x for x in rank["layers"] if x["layer"] == "head")
+        out.append({
+            "rank": rank["rank"], "seconds": rank["seconds"],
+            "collective_seconds": rank["collective_seconds"],
+            "bytes_received": rank["bytes_received"], "bytes_sent": rank["bytes_sent"],
+            "layer_bytes_received_median": statistics.median(x["bytes_received"] for x in layers),
+            "layer_bytes_sent_median": statistics.median(x["bytes_sent"] for x in layers),
+            "layer_collective_seconds_median": statistics.median(
+                x["collective_seconds"] for x in layers),
+            "head_bytes_received": head["bytes_received"], "head_bytes_sent": head["bytes_sent"],
+            "head_collective_seconds": head["collective_seconds"]})
+    return {"world_size": dist["world_size"], "ranks": out}
+
+
+def rank_arm(name: str, nproc: int, src: Path, settings: dict, timeout: float) -> Arm:
+    flags = ["--threads", "1"] + (["--nproc", str(nproc)] if nproc > 1 else [])
+
+    def command(ctx: PassContext) -> Command:
+        return Command(cpu_quant_gptq_argv(src, ctx.workdir / "artifact", settings, flags),
+                       timeout=timeout)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        report = check_cpu_quant_report(ctx.workdir / "artifact", settings, flags)
+        dist = report.get("distributed")
+        world = dist["world_size"] if dist else 1
+        if world != nproc:
+            raise ValueError(f"the run had {world} ranks, not {nproc}")
+        threads = ([r["threads"] for r in dist["ranks"]] if dist
+                   else [report["provenance"].get("threads")])
+        if threads != [1] * nproc:
+            raise ValueError(f"the ranks ran {threads} torch threads, not 1 each")
+        return {}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        art = ctx.workdir / "artifact"
+        report = json.loads((art / "quantization_report.json").read_text())
+        out = {"tool_total_seconds": report["total_seconds"],
+               "tool_head_seconds": report["head_seconds"],
+               "layer_seconds_sum": round(sum(report["layer_seconds"]), 3),
+               "layer_seconds": report["layer_seconds"],
+               "phase_seconds": report["phase_seconds"],
+               "n_layers": len(report["layer_seconds"]),
+               "tensors_sha256": tensors_sha256(art)}
+        if report.get("distributed"):
+            out["traffic"] = layer_traffic(report["distributed"])
+        return out
+
+    return Arm(name, {"processes": nproc, "threads_per_process": 1, "flags": flags, **settings},
+               command, collect, artifacts=lambda ctx: {"artifact": ctx.workdir / "artifact"},
+               extras=extras)
+
+
+def build(opts: SuiteOptions) -> Suite:
+    settings = dict(SMOKE if opts.smoke else REAL)
+    if opts.smoke:
+        settings["batch_size"] = 2  # 2 batches: one per rank
+    timeout = TIMEOUT_SMOKE if opts.smoke else TIMEOUT_REAL
+    src = source_model(opts)
+    arms = select([rank_arm(name, n, src, settings, timeout) for name, n in ARMS.items()],
+                  opts.arms)
+    return Suite(
+        name="distributed",
+        description="Data-parallel GPTQ over torch.distributed (gloo, loopback): 2 ranks x 1 "
+                    "thread against 1 rank x 1 thread, "
+                    f"{'a tiny random Llama (smoke)' if opts.smoke else 'the demo model'}, "
+                    "head quantized",
+        metrics=[WALL_SECONDS, CPU_SECONDS, PEAK_RSS_ANON],
+        arms=arms,
+        settings={"source": str(src), **settings, "head": "quantized (default)"},
+        baseline="1-rank" if any(a.name == "1-rank" for a in arms) else None,
+        inputs={"source_model": src},
+        notes=["Both arms write the same artifact: compare their extras' tensors_sha256.",
+               "collective seconds include the time a rank waits for the other inside a "
+               "collective (imbalance), not only transfer time."],
+    )

@@ -1,0 +1,31 @@
+"""Activation smoothing (SmoothQuant, Xiao et al. 2022) as pure tensor math.
+
+A linear ``y = x Wᵀ`` computes the same ``y`` with ``x' = x / s`` and ``W' = W · diag(s)`` for
+any positive per-input-channel ``s``. When ``x`` is quantized per token (the 8da schemes'
+dynamic int8), a few channels of very large magnitude set every token's step; dividing them by
+``s`` moves that range into the weights, whose 8-bit per-channel grid has room for it. The
+division is folded into whatever produces ``x`` (a norm's weight, or the rows of the linear
+before), so the float model is unchanged up to rounding.
+
+``s_j = max|x_j|^α / max|W_{:,j}|^(1-α)`` (the paper's rule; ``α = 0.5`` balances the two),
+where ``max|x_j|`` is measured on calibration text and ``max|W_{:,j}|`` over every linear that
+reads ``x``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_ALPHA = 0.5
+
+
+def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
+                     alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
+    """``s`` [K] for the linears ``weights`` ([N_i, K] each) that share the input whose
+    per-channel ``max|x|`` is ``act_absmax`` [K]. Channels that never fire (or whose weights are
+    all zero) keep ``s = 1``."""
+    w_max = torch.stack([w.detach().abs().amax(0) for w in weights]).amax(0).to(torch.float32)
+    a_max = act_absmax.to(torch.float32)
+    s = a_max.pow(alpha) / w_max.pow(1 - alpha)
+    ok = (a_max > 0) & (w_max > 0) & torch.isfinite(s) & (s > 0)
+    return torch.where(ok, s, torch.ones_like(s))
