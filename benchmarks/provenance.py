@@ -110,10 +110,15 @@ def artifact_digest(path: str | Path) -> dict:
 
 
 def thread_settings() -> dict:
-    import torch
+    """The thread settings of this process. ``torch_threads`` is None where this interpreter
+    has no torch (``benchmarks.test_tiers`` runs before the venv it builds exists)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
 
     return {
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads() if torch is not None else None,
         "cpu_count": os.cpu_count(),
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),

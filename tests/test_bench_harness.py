@@ -6,6 +6,7 @@ Pure and fast: the arms are tiny real subprocesses (``python -c``), no model is 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -329,3 +330,12 @@ def test_test_tiers_times_what_ci_and_the_readme_run():
           if line.startswith(("./scripts/setup.sh", ".venv/bin/python -m pytest"))]
     assert len(ci) == 3
     assert " && ".join(ci) in (REPO / "README.md").read_text()
+
+
+def test_provenance_threads_without_torch(monkeypatch):
+    """The tiers' runner collects provenance in the interpreter that ran setup.sh, which has
+    no torch: the thread settings must not need it."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    threads = provenance.thread_settings()
+    assert threads["torch_threads"] is None
+    assert threads["cpu_count"] == os.cpu_count()

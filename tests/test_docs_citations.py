@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # a result file's name ends in its UTC timestamp, e.g. quantize-20261202T033134Z.json
-CITED_RESULT = re.compile(r"[A-Za-z0-9_.-]+-20[0-9]{6}T[0-9]{6}Z[A-Za-z0-9_.-]*\.json")
+CITED_RESULT = re.compile(r"[A-Za-z0-9_.-]+-20[0-9]{6}T[0-9]{6}Z[A-Za-z0-9_.-]*\.(?:json|log)")
 
 
 def pages(repo: Path = REPO) -> list[Path]:
@@ -64,5 +64,6 @@ def test_the_check_reports_an_untracked_citation(tmp_path):
 
 def test_the_pattern_finds_the_result_file_names_in_use():
     text = ("memory-trace-1x-20261201T102950Z.json, runtime_patches-bf16-20261129T134512Z.json, "
-            "phone-export-demo-xnnpack-8da8w-s64-20261129T133624Z.json")
+            "phone-export-demo-xnnpack-8da8w-s64-20261129T133624Z.json, "
+            "test-tiers-20261203T150524Z.log")
     assert CITED_RESULT.findall(text) == text.split(", ")
