@@ -369,8 +369,8 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
         gptq_kernel="tinygemm", kernel_max_rows=64, prefill_gemm="bfloat16",
         verified=True,
         evidence="measured on an AVX-512 (BF16/VNNI) AMD EPYC without AMX, 0.5B Qwen2 shapes, "
-                 "vLLM 0.32.0 compiled, 3 interleaved passes: decode 2.12x vLLM's bf16 with "
-                 "the GPTQ layers on tinygemm against 0.93x on vLLM's cpu_gemm_wna16; one "
+                 "vLLM 0.32.0 compiled, 3 interleaved passes: decode 1.81x vLLM's bf16 with "
+                 "the GPTQ layers on tinygemm against 0.96x on vLLM's cpu_gemm_wna16; one "
                  "decode step's linears took 17.0 ms on tinygemm, 44.7 ms on cpu_gemm_wna16 "
                  "and 57.7 ms in bf16. Kernel against dequantize + GEMM (one thread): the "
                  "crossover lies between 64 and 128 rows. Prefill keeps the native bf16 GEMM "
