@@ -6,8 +6,9 @@ Runs, from the repository root, the commands of ``.ci/run`` in its order: with `
 ``scripts/setup.sh --tests`` first (on a clean clone this is the install CI does); then
 its pytest lines (the unit tier, then the end-to-end tier ``-m e2e``), each with the venv's
 Python, exactly as ``.ci/run`` states them. For each step it records the wall time, the exit
-status, pytest's closing line (passed / skipped / failed counts and pytest's own time), the load average
-before and after, and the tail of its output; the result carries the benchmark provenance (git
+status, pytest's closing line (passed / skipped / failed counts and pytest's own time), every
+test's seconds (setup, call and teardown, from a JUnit XML report the runner asks pytest for;
+the only argument it adds), the load average before and after, and the tail of its output; the result carries the benchmark provenance (git
 SHA and cleanliness, CPU model and flags, package versions). Result file:
 ``<out>/test-tiers-<UTC time>.json``, written atomically once every step has run; the run
 exits non-zero when any step failed (the file is written either way).
@@ -25,7 +26,9 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from . import provenance
@@ -65,17 +68,35 @@ def pytest_summary(output: str) -> dict | None:
     return None
 
 
+def test_seconds(junit_xml: Path) -> dict[str, float]:
+    """Seconds per test (setup, call and teardown) from pytest's JUnit XML report, longest
+    first, keyed ``path::name`` as pytest names the test."""
+    if not junit_xml.is_file():
+        return {}
+    seconds = {}
+    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        seconds[f"{module}.py::{case.get('name')}"] = float(case.get("time") or 0)
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+
 def run_step(name: str, argv: list[str]) -> dict:
-    load_before = list(os.getloadavg())
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    wall = time.perf_counter() - t0
-    record = {"step": name, "command": " ".join(argv), "returncode": proc.returncode,
-              "wall_seconds": round(wall, 1), "loadavg_before": load_before,
-              "loadavg_after": list(os.getloadavg()), "output_tail": proc.stdout[-TAIL:]}
-    if name != "setup":
-        record["pytest"] = pytest_summary(proc.stdout)
+    with tempfile.TemporaryDirectory(prefix="test-tiers-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        if name != "setup":
+            argv = [*argv, f"--junit-xml={junit}"]
+        load_before = list(os.getloadavg())
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        wall = time.perf_counter() - t0
+        record = {"step": name, "command": " ".join(argv[:-1] if name != "setup" else argv),
+                  "returncode": proc.returncode, "wall_seconds": round(wall, 1),
+                  "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
+                  "output_tail": proc.stdout[-TAIL:]}
+        if name != "setup":
+            record["pytest"] = pytest_summary(proc.stdout)
+            record["test_seconds"] = test_seconds(junit)
     return record
 
 

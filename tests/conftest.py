@@ -9,9 +9,16 @@ and the two test tiers.
   quantize the demo model or start a runtime; each is built once per run and shared).
 
 ``pytest -m "e2e or not e2e"`` runs both in one process. CI runs each tier on two
-pytest-xdist workers (``-n 2``; the end-to-end tier with ``--dist loadgroup``, which with no
-``xdist_group`` marks hands out one test at a time); a session fixture is built once per
-worker that needs it.
+pytest-xdist workers (``-n 2``; the end-to-end tier with ``--dist loadgroup``). In the
+end-to-end tier:
+
+* every demo-model artifact a fixture builds is built once per run, by whichever worker asks
+  first, into a directory the workers share (:func:`build_once`); the other worker waits for
+  it and reuses it;
+* tests that share a fixture which cannot be shared through files (running engines, a peer's
+  process, a module's benchmark run) go to one worker together (:data:`WORKER_GROUPS`);
+* the longest tests are handed out first (:data:`LONGEST_FIRST`), so that no worker is left
+  alone with one of them at the end.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,10 +50,54 @@ E2E_FIXTURES = frozenset({
 E2E_MARKS = ("e2e", "vllm", "slow")
 
 
+# Fixtures whose value lives in one worker's memory (engines started once, a peer's run, a
+# module's benchmark run): the tests that use one run on the same worker, so it is built once.
+WORKER_GROUPS = {
+    "engines": "vllm-engines", "vllm_run": "tinygemm-vllm", "peer": "peer-loaders",
+    "quantize_dir": "bench-quantize", "xnnpack_8da8w": "phone-tiny", "qnn_w8a16": "phone-tiny",
+    "qnn_16a4w": "phone-tiny", "xnnpack_8da4w": "phone-tiny", "tiny_gptq": "phone-tiny",
+}
+
+# The end-to-end tier's longest tests and groups, longest first: seconds on one worker of the
+# 2-core CI machine, fixtures included (a serial run of the tier, --durations). The rest keep
+# their file order after these.
+LONGEST_FIRST = (
+    "test_demo_model_8da4w_holds_the_gptq_codes",  # ~980 s with its group-32 GPTQ run
+    "test_runtime_patches.py",  # seven engine starts, ~300 s
+    "test_runtime_suite_smoke",  # three engine starts through the harness, ~245 s
+    "test_tinygemm.py",  # a calibrated cpu_int4 run and an engine start, ~240 s
+    "test_two_ranks_write_the_demo_models_three_formats",  # ~140 s
+    "test_phone_suite_smoke",  # two ExecuTorch exports, ~140 s
+    "test_peer_loaders.py",  # GPTQModel's loader in its own venv, ~200 s
+    "test_sigkill_then_resume_is_bit_identical",  # ~120 s
+    "test_fidelity_ordering_on_heldout_text",  # two more demo-model runs, ~120 s
+    "test_export_phone.py",  # the tiny model's exports, ~100 s
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    for rank, fragment in enumerate(LONGEST_FIRST):
+        if fragment in item.nodeid:
+            return rank
+    return len(LONGEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if any(item.get_closest_marker(m) for m in E2E_MARKS) or E2E_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.e2e)
+        groups = {WORKER_GROUPS[f] for f in item.fixturenames if f in WORKER_GROUPS}
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(sorted(groups)[0]))
+    items.sort(key=_longest_first)  # stable: the rest keep their order
+
+
+def pytest_configure(config) -> None:
+    # hand the work out in the order above (pytest-xdist would otherwise put the groups with
+    # the most tests first, whatever their length)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def vllm_gptq_unavailable() -> str | None:
@@ -95,9 +147,30 @@ def demo_src() -> Path:
     return demo_model_path()
 
 
+def build_once(dst: Path, build: Callable[[], object]) -> Path:
+    """``dst``, built by ``build()`` once per test run: the first worker to ask builds it under
+    a file lock while the others wait, then everyone reuses it. Only a build that returned is
+    marked done; after a failure the next caller builds again (and reports its own error)."""
+    from filelock import FileLock
+
+    done = dst.with_name(dst.name + ".done")
+    with FileLock(str(dst) + ".lock"):
+        if not done.exists():
+            if dst.exists():
+                shutil.rmtree(dst)
+            build()
+            done.touch()
+    return dst
+
+
 @pytest.fixture(scope="session")
 def artifacts_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+    """Demo-model artifacts, shared by the run's workers (their base directories' parent,
+    which is this run's own): build them with :func:`build_once`."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "artifacts"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -106,9 +179,9 @@ def demo_formats(demo_src: Path, artifacts_dir: Path) -> Path:
     quantized, small calibration): ``DIR/gptq``, ``DIR/cpu_int4``, ``DIR/gguf``. The one
     quantization of the demo model that the end-to-end tier shares."""
     dst = artifacts_dir / "demo-formats"
-    run_cli("gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval",
-            "--format", "gptq,cpu_int4,gguf")
-    return dst
+    return build_once(dst, lambda: run_cli(
+        "gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval",
+        "--format", "gptq,cpu_int4,gguf"))
 
 
 @pytest.fixture(scope="session")
@@ -120,16 +193,15 @@ def gptq_artifact(demo_formats: Path) -> Path:
 @pytest.fixture(scope="session")
 def rtn_plain_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
     dst = artifacts_dir / "demo-rtn-plain"
-    run_cli("gptq", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
-            "--no-scale-search", "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("gptq", str(demo_src), str(dst), "--method", "rtn",
+                                           "--calib", "none", "--no-scale-search", "--no-eval"))
 
 
 @pytest.fixture(scope="session")
 def rtn_search_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
     dst = artifacts_dir / "demo-rtn-search"
-    run_cli("gptq", str(demo_src), str(dst), "--method", "rtn", *SMALL_CALIB, "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("gptq", str(demo_src), str(dst), "--method", "rtn",
+                                           *SMALL_CALIB, "--no-eval"))
 
 
 def tokenizer_files(demo_src: Path, dst: Path) -> None:

@@ -36,7 +36,7 @@ from cpu_quant.export.verify import (  # noqa: E402
     snr_db,
 )
 
-from .conftest import SMALL_CALIB, make_tiny_model, run_cli  # noqa: E402
+from .conftest import SMALL_CALIB, build_once, make_tiny_model, run_cli  # noqa: E402
 
 SMALL = dict(max_seq_len=48, prefill_len=16, calib_len=48, calib_decode_tokens=4,
              verify_windows=2, verify_len=48, gen_tokens=8, gptq_samples=8, gptq_seqlen=64)
@@ -677,9 +677,8 @@ def demo_gptq_g32(demo_src: Path, artifacts_dir: Path) -> Path:
     """One small group-32 GPTQ run of the demo model with the phone's positive scales (the
     shared demo quantization is group 128 with signed scales, which XNNPACK cannot hold)."""
     dst = artifacts_dir / "demo-gptq-g32-positive"
-    run_cli("gptq", str(demo_src), str(dst), "--group", "32", "--positive-scales",
-            *SMALL_CALIB, "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("gptq", str(demo_src), str(dst), "--group", "32",
+                                           "--positive-scales", *SMALL_CALIB, "--no-eval"))
 
 
 def test_demo_model_8da4w_holds_the_gptq_codes(demo_src: Path, demo_gptq_g32: Path,
@@ -707,9 +706,10 @@ def test_demo_model_uncalibrated_codes_are_refused(demo_src: Path, artifacts_dir
     """A calibration that was not applied: the same group-32 grid from plain round-to-nearest
     (no calibration, no scale search). The quantized model falls below the 8da4w floors against
     float, so the export stops before lowering: exit 3, nothing left in OUT."""
-    rtn = artifacts_dir / "demo-rtn-g32-positive"
-    run_cli("gptq", str(demo_src), str(rtn), "--method", "rtn", "--calib", "none",
-            "--no-scale-search", "--group", "32", "--positive-scales", "--no-eval")
+    rtn = build_once(artifacts_dir / "demo-rtn-g32-positive", lambda: run_cli(
+        "gptq", str(demo_src), str(artifacts_dir / "demo-rtn-g32-positive"), "--method", "rtn",
+        "--calib", "none", "--no-scale-search", "--group", "32", "--positive-scales",
+        "--no-eval"))
     out = tmp_path / "uncalibrated"
     args = [str(demo_src), str(out), "--backend", "xnnpack", "--scheme", "8da4w",
             "--quantized", str(rtn), "--max-seq-len", "64", "--prefill-len", "32", "--quiet"]

@@ -62,7 +62,7 @@ from cpu_quant.formats.gptq import dequantize_gptq
 from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.quantize.plan import group_for_module
 
-from .conftest import REPO, run_cli
+from .conftest import REPO, build_once, run_cli
 
 PEER_SCRIPT = REPO / "tests" / "helpers" / "peer_dequantize.py"
 NAMED = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head")
@@ -110,17 +110,16 @@ def peer_python() -> Path:
 @pytest.fixture(scope="module")
 def uniform_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
     dst = artifacts_dir / "demo-rtn-g64-headbf16"
-    run_cli("gptq", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
-            "--no-scale-search", "--group", "64", "--no-lm-head", "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli(
+        "gptq", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
+        "--no-scale-search", "--group", "64", "--no-lm-head", "--no-eval"))
 
 
 @pytest.fixture(scope="module")
 def tiny_head_artifact(tiny_llama: Path, artifacts_dir: Path) -> Path:
     dst = artifacts_dir / "tiny-rtn-g64-head"
-    run_cli("gptq", str(tiny_llama), str(dst), "--method", "rtn", "--calib", "none",
-            "--group", "64", "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("gptq", str(tiny_llama), str(dst), "--method", "rtn",
+                                           "--calib", "none", "--group", "64", "--no-eval"))
 
 
 @pytest.fixture(scope="module")

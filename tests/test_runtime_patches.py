@@ -127,15 +127,13 @@ def served_artifact(request: pytest.FixtureRequest, demo_src: Path, artifacts_di
     --no-scale-search``) where vLLM's CPU build can run GPTQ; elsewhere (no AVX-512: vLLM's AVX2
     kernels lack cpu_gemm_wna16) the same data-free job in the cpu_int4 layout, which the
     plugin serves with torch's tinygemm kernel on every x86 CPU."""
-    from .conftest import run_cli, vllm_gptq_unavailable
+    from .conftest import build_once, run_cli, vllm_gptq_unavailable
 
     if vllm_gptq_unavailable() is None:
         return request.getfixturevalue("rtn_plain_artifact")
     dst = artifacts_dir / "demo-cpu_int4-rtn-plain"
-    if not (dst / "config.json").is_file():
-        run_cli("tinygemm", str(demo_src), str(dst), "--method", "rtn", "--calib", "none",
-                "--no-scale-search", "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("tinygemm", str(demo_src), str(dst), "--method", "rtn",
+                                           "--calib", "none", "--no-scale-search", "--no-eval"))
 
 
 @pytest.fixture(scope="session")

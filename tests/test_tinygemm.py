@@ -20,7 +20,7 @@ import torch
 from cpu_quant.errors import CpuQuantError
 from cpu_quant.formats import cpu_int4 as tp
 
-from .conftest import REPO, SMALL_CALIB, run_cli
+from .conftest import REPO, SMALL_CALIB, build_once, run_cli
 from .helpers.tinygemm_isa import random_module as _random_module
 from .helpers.vllm_paths import NEAR_TIE_NATS
 from .test_gptq_end_to_end import NEW_TOKENS, PROMPTS, _vllm_greedy
@@ -246,17 +246,20 @@ def test_tinygemm_refuses_a_group_the_kernel_cannot_take(tmp_path: Path, demo_sr
 def asym_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
     """The default: calibrated GPTQ on the asymmetric grid, group 128, head quantized."""
     dst = artifacts_dir / "demo-cpu_int4"
-    run_cli("tinygemm", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval")
-    return dst
+    return build_once(dst, lambda: run_cli("tinygemm", str(demo_src), str(dst), "--group", "128",
+                                           *SMALL_CALIB, "--no-eval"))
 
 
 @pytest.fixture(scope="session")
 def sym_artifact(gptq_artifact: Path, artifacts_dir: Path) -> Path:
     """The shared GPTQ artifact (same calibration), repacked: the symmetric grid as cpu_int4."""
     dst = artifacts_dir / "demo-cpu_int4-from-gptq"
-    proc = run_cli("convert", str(gptq_artifact), str(dst), "--to", "cpu_int4")
-    assert "converted 211 modules" in proc.stdout, proc.stdout
-    return dst
+
+    def build() -> None:
+        proc = run_cli("convert", str(gptq_artifact), str(dst), "--to", "cpu_int4")
+        assert "converted 211 modules" in proc.stdout, proc.stdout
+
+    return build_once(dst, build)
 
 
 def test_config_and_tensors_describe_a_cpu_int4_checkpoint(asym_artifact: Path):
