@@ -197,8 +197,9 @@ def project(measured: dict) -> list[dict]:
     return out
 
 
-def measured_inputs(result: dict) -> dict:
-    """The medians the projection starts from (see the module docstring)."""
+def measured_inputs(result: dict, source: Path | None = None) -> dict:
+    """The medians the projection starts from (see the module docstring). ``source``: the
+    measured model's checkpoint (its shapes), by default the one the result names."""
     from cpu_quant.formats import get_format
     from cpu_quant.io.checkpoint import open_checkpoint
     from cpu_quant.quantize.plan import plan_linear
@@ -210,11 +211,15 @@ def measured_inputs(result: dict) -> dict:
     if not one or not two:
         raise ValueError("the result has no successful pass of both arms")
     med = statistics.median
-    ckpt = open_checkpoint(Path(result["settings"]["source"]))
+    settings = result.get("settings") or result["provenance"]["settings"]
+    source = source or Path(settings["source"])
+    if not (source / "config.json").is_file():
+        raise ValueError(f"the measured model {source} is not here (give --source DIR)")
+    ckpt = open_checkpoint(source)
     s = demo_shapes(ckpt.config)
     ckpt.close()
     limits = get_format("gptq").limits
-    group = result["settings"]["group"]
+    group = settings["group"]
     groups = {name: plan_linear(name, k, rows, group, False, limits).group_size
               for name, rows, k in s.stacks()}
     t_gram = med(r["extras"]["phase_seconds"]["hessians"] for r in one)
@@ -250,12 +255,18 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("result", type=Path)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the measured model's checkpoint, for its shapes (default: the path "
+                         "the result names)")
     args = ap.parse_args(argv)
     try:
         result = json.loads(args.result.read_text())
-        measured = measured_inputs(result)
-    except (OSError, ValueError, KeyError) as exc:
+        measured = measured_inputs(result, args.source)
+    except (OSError, ValueError) as exc:
         print(f"error: {args.result}: {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"error: {args.result}: not a distributed suite result (no {exc})", file=sys.stderr)
         return 2
     rows = project(measured)
     assumptions = {"cores_per_host": CORES_PER_HOST, "efficiency": EFFICIENCY,

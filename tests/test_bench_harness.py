@@ -300,6 +300,26 @@ def test_test_tiers_reads_pytests_closing_line(line, counts, seconds):
     assert pytest_summary("no summary here\n") is None
 
 
+def test_test_tiers_reads_every_tests_seconds_from_junit_xml(tmp_path):
+    """Per-test seconds come from pytest's own JUnit report, named as pytest names the test,
+    longest first; no report (setup, or pytest died early) gives none."""
+    import subprocess
+
+    from benchmarks.test_tiers import test_seconds
+
+    (tmp_path / "test_two.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\n"
+        "def test_slow():\n    time.sleep(0.3)\n")
+    junit = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "-o", "addopts=", f"--junit-xml={junit}", "test_two.py"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    got = test_seconds(junit)
+    assert list(got) == ["test_two.py::test_slow", "test_two.py::test_quick"]
+    assert got["test_two.py::test_slow"] >= 0.3 > got["test_two.py::test_quick"]
+    assert test_seconds(tmp_path / "missing.xml") == {}
+
+
 def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     from safetensors.torch import save_file
 
@@ -339,3 +359,21 @@ def test_provenance_threads_without_torch(monkeypatch):
     threads = provenance.thread_settings()
     assert threads["torch_threads"] is None
     assert threads["cpu_count"] == os.cpu_count()
+
+
+def test_dist_projection_reads_the_committed_distributed_run(tmp_path, demo_src):
+    """The 8B projection runs on the suite's committed result (its settings are in the
+    provenance), and its payload model reproduces the bytes the two ranks really received."""
+    from benchmarks import dist_projection
+
+    results = sorted((Path(dist_projection.RESULTS)).glob("distributed-*Z.json"))
+    assert results, "no complete distributed result is committed"
+    out = tmp_path / "out"
+    assert dist_projection.main([str(results[-1]), "--source", str(demo_src),
+                                 "--out", str(out)]) == 0
+    (written,) = out.glob("dist-projection-*.json")
+    doc = json.loads(written.read_text())
+    assert doc["measured"]["payload_check"]["exact"]
+    assert [row["hosts"] for row in doc["projection"]] == [1, 4, 16]
+    assert dist_projection.main([str(results[-1]), "--source", str(tmp_path / "nowhere"),
+                                 "--out", str(out)]) == 2
