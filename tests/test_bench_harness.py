@@ -361,6 +361,19 @@ def test_provenance_threads_without_torch(monkeypatch):
     assert threads["cpu_count"] == os.cpu_count()
 
 
+def test_test_tiers_takes_the_provenance_from_the_venv(monkeypatch):
+    """The tiers' runner may run in a Python without torch (it builds the venv): the
+    provenance it writes is the venv's, with torch's version and the thread count, and it
+    validates."""
+    from benchmarks.test_tiers import venv_provenance
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    prov = venv_provenance({"steps": ["unit"]})
+    provenance.validate(prov)
+    assert prov["packages"]["torch"] and prov["threads"]["torch_threads"]
+    assert prov["settings"] == {"steps": ["unit"]}
+
+
 def test_dist_projection_reads_the_committed_distributed_run(tmp_path, demo_src):
     """The 8B projection runs on the suite's committed result (its settings are in the
     provenance), and its payload model reproduces the bytes the two ranks really received."""
