@@ -56,7 +56,7 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
     tok = AutoTokenizer.from_pretrained(src)
     prompt = token_windows(tok, builtin_split("heldout"), 1, prompt_tokens)[0]
     t = time.perf_counter()
-    runner = StaticKVRunner(shape, *pte_step_functions(pte))
+    runner = StaticKVRunner(shape, *pte_step_functions(pte, shape))
     load_s = time.perf_counter() - t
     runner.generate(prompt[:prefill_len], 2)  # warm-up: first-call allocations, XNNPACK setup
     runner.reset()

@@ -302,6 +302,27 @@ def test_static_graph_matches_transformers(arch: str, demo_src: Path, tmp_path: 
     assert snr_db(decode, ref[5:]) > 80, "decode differs from transformers"
 
 
+def test_prefill_length_one_is_a_single_method_that_prefills_a_token_at_a_time(
+        demo_src: Path, tmp_path: Path) -> None:
+    """With --prefill-len 1 the program has ``decode`` alone; scoring through it token by token
+    gives the chunked prefill's logits, and a program without its methods is refused."""
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.export.runner import GraphShape
+
+    model = load_static_lm(make_tiny_model("llama", tmp_path / "llama", demo_src, vocab=512), 32)
+    s = model.spec
+    chunked = GraphShape(s.n_layers, s.n_kv_heads, s.head_dim, s.vocab_size, 32, 8)
+    single = GraphShape(s.n_layers, s.n_kv_heads, s.head_dim, s.vocab_size, 32, 1)
+    assert list(chunked.methods()) == ["prefill", "decode"] and single.methods() == {"decode": 1}
+    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = StaticKVRunner(chunked, model, model).score(ids)
+        got = StaticKVRunner(single, *single.step_pair({"decode": model})).score(ids)
+    assert snr_db(got, ref) > 80
+    with pytest.raises(CpuQuantError, match="lacks its prefill method"):
+        chunked.step_pair({"decode": model})
+
+
 # -- XNNPACK --------------------------------------------------------------------------------
 
 def test_xnnpack_8da8w_generates_like_its_eager_graph(xnnpack_8da8w) -> None:
@@ -360,7 +381,7 @@ def test_pte_generates_text_through_the_runtime(xnnpack_8da8w, peaked_llama: Pat
 
     out, report = xnnpack_8da8w
     shape = PhoneExportSettings(**{**SMALL}).shape(load_static_lm(peaked_llama, 48))
-    runner = StaticKVRunner(shape, *pte_step_functions(out / "model.pte"))
+    runner = StaticKVRunner(shape, *pte_step_functions(out / "model.pte", shape))
     tok = AutoTokenizer.from_pretrained(out)
     g = report["verification"]["greedy"][0]
     tokens, logits = runner.generate(tok(g["prompt"], add_special_tokens=False)["input_ids"],
@@ -481,7 +502,7 @@ def test_calibration_improves_w8a16_against_float(peaked_llama: Path) -> None:
         prepared = qnn.prepare(model, shape)
         qnn.calibrate(prepared, shape, windows, settings.calib_decode_tokens)
         eager = eager_graphs(export_methods(qnn.convert(prepared), shape))
-        runner = StaticKVRunner(shape, eager["prefill"], eager["decode"])
+        runner = StaticKVRunner(shape, *shape.step_pair(eager))
         with torch.no_grad():
             return snr_db(torch.cat([runner.score(w) for w in heldout]), ref)
 
@@ -667,9 +688,10 @@ def test_existing_output_is_refused_before_any_work(xnnpack_8da8w, peaked_llama:
 
 # -- the real demo model ----------------------------------------------------------------------
 
-# Short sequences keep the demo export within the tier's budget: lowering 30 layers x 2 methods
-# is most of its time, whatever the length; verification scores 4 windows of 64 tokens.
-DEMO = dict(max_seq_len=64, prefill_len=32, verify_len=64, verify_windows=4, gen_tokens=8)
+# Lowering 30 layers is most of the demo export's time, whatever the length, so the program
+# has one method (prefill length 1: decode alone, prompts a token at a time); verification
+# scores 4 windows of 64 tokens.
+DEMO = dict(max_seq_len=64, prefill_len=1, verify_len=64, verify_windows=4, gen_tokens=8)
 
 
 @pytest.fixture(scope="session")
@@ -697,6 +719,7 @@ def test_demo_model_8da4w_holds_the_gptq_codes(demo_src: Path, demo_gptq_g32: Pa
     assert_program_holds(codes, readback.xnnpack_weights(out / "model.pte"))
     v = report["verification"]
     assert v["passed"] and report["ops"]["decode"]["delegated"].get("XnnpackBackend")
+    assert set(report["ops"]) == {"decode"}  # prefill length 1: one method
     assert report["sizes"]["ratio_vs_float32"] < 0.2
 
 

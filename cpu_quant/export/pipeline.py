@@ -5,7 +5,8 @@ on the held-out text → decide the integer weights (``weights``: the calibrated
 4-bit schemes, from ``--quantized`` or a GPTQ run made here; the weighted scale search for 8-bit
 ones) → quantize for the backend (``xnnpack`` puts the weights into torchao's tensor type and
 quantizes activations at run time; ``qnn`` calibrates its activation observers) → export the
-``prefill`` (``prefill_len`` rows) and ``decode`` (1 row) methods → screen the quantized eager
+``prefill`` (``prefill_len`` rows) and ``decode`` (1 row) methods, or ``decode`` alone when
+``prefill_len`` is 1 → screen the quantized eager
 graph against the float model (``verify.screen``) → lower → write into a staging directory →
 read the XNNPACK program's weights back (``readback``) → run the written ``.pte`` through
 ExecuTorch's runtime against float and against its eager graph (``verify``) → rename into
@@ -13,8 +14,10 @@ place. A program that fails any check raises ``VerificationFailed`` and leaves n
 
 Output directory:
 
-* ``model.pte``: methods ``prefill`` and ``decode`` (I/O contract in ``model``'s docstring);
-* ``qnn_prefill.pt2``, ``qnn_decode.pt2`` (backend ``qnn``): the calibrated quantized programs;
+* ``model.pte``: methods ``prefill`` and ``decode`` (I/O contract in ``model``'s docstring),
+  or ``decode`` alone (``prefill_len`` 1: a prompt goes in a token at a time; half the lowering);
+* ``qnn_prefill.pt2``, ``qnn_decode.pt2`` (backend ``qnn``; no prefill file when ``prefill_len``
+  is 1): the calibrated quantized programs;
 * the tokenizer files of the source checkpoint, so the directory is self-contained;
 * ``export_report.json`` (``report``).
 """
@@ -412,8 +415,7 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     else:
         quantized = quantize_xnnpack(model, shape, settings, weights,
                                      _calibration_record(settings, calib_windows, weights))
-    quantized_scores = score_heldout(shape, (quantized.eager["prefill"], quantized.eager["decode"]),
-                                     heldout)
+    quantized_scores = score_heldout(shape, shape.step_pair(quantized.eager), heldout)
     failures = screen(scheme, quantized_scores, float_scores)
     if failures:
         raise VerificationFailed("the quantized model falls below the " + scheme + " floors "
@@ -437,8 +439,8 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
 
     t = time.perf_counter()
     stored = check_stored_weights(settings, pte, built, weights)
-    arms = {"pte": pte_step_functions(pte),
-            "quantized": (built.quantized["prefill"], built.quantized["decode"]),
+    arms = {"pte": pte_step_functions(pte, shape),
+            "quantized": shape.step_pair(built.quantized),
             "float": (reference, reference)}
     bar = tqdm(total=len(heldout) + len(prompts), desc="verifying", disable=not progress)
     result = verify(scheme, shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,

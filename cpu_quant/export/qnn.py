@@ -106,7 +106,7 @@ def calibrate(prepared: dict[str, torch.fx.GraphModule], shape: GraphShape,
         for name, t in shape.methods().items():
             prepared[name](*shape.example_inputs(t))
         return stats
-    runner = StaticKVRunner(shape, prepared["prefill"], prepared["decode"])
+    runner = StaticKVRunner(shape, *shape.step_pair(prepared))
     for window in windows:
         split = max(1, len(window) - decode_tokens)
         runner.reset()
@@ -241,11 +241,12 @@ def lower_to_qnn(programs: dict[str, torch.export.ExportedProgram], shape: Graph
 
 
 def load_saved_programs(directory: Path) -> dict[str, torch.export.ExportedProgram]:
-    """``qnn_prefill.pt2`` and ``qnn_decode.pt2`` of an export-phone output directory."""
+    """``qnn_prefill.pt2`` (unless the prefill length is 1) and ``qnn_decode.pt2`` of an
+    export-phone output directory."""
     import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops
 
     return {name: torch.export.load(str(directory / f"qnn_{name}.pt2"))
-            for name in ("prefill", "decode")}
+            for name in ("prefill", "decode") if (directory / f"qnn_{name}.pt2").is_file()}
 
 
 def finish_qnn_lowering(directory: str | Path, soc: str = DEFAULT_SOC) -> Path:

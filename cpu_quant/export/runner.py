@@ -13,7 +13,7 @@ its own rows; afterwards rows ``0..n-1`` of ``k_new``/``v_new`` are written into
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ StepFn = Callable[..., Sequence[torch.Tensor]]
 
 @dataclass(frozen=True)
 class GraphShape:
-    """Static shapes of one exported model (both methods share all but ``T``)."""
+    """Static shapes of one exported model (its methods share all but ``T``)."""
 
     n_layers: int
     n_kv_heads: int
@@ -36,8 +36,20 @@ class GraphShape:
     prefill_len: int
 
     def methods(self) -> dict[str, int]:
-        """Method name -> rows per call, for the two methods of every exported program."""
+        """Method name -> rows per call: ``prefill`` and ``decode``, or ``decode`` alone when
+        ``prefill_len`` is 1 (the two graphs would be the same; a prompt is then fed a token at
+        a time, as ExecuTorch's runner does for a static-shape model without a prefill method)."""
+        if self.prefill_len == 1:
+            return {"decode": 1}
         return {"prefill": self.prefill_len, "decode": 1}
+
+    def step_pair(self, fns: Mapping[str, StepFn]) -> tuple[StepFn, StepFn]:
+        """(prefill, decode) from a program's methods by name: ``decode`` serves as the prefill
+        step of a single-method program."""
+        missing = set(self.methods()) - set(fns)
+        if missing:
+            raise CpuQuantError(f"the program lacks its {', '.join(sorted(missing))} method")
+        return fns.get("prefill", fns["decode"]), fns["decode"]
 
     def example_inputs(self, t: int) -> tuple[torch.Tensor, ...]:
         """Valid inputs for a call with ``t`` rows at position 0 (what export traces with)."""

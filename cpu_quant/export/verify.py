@@ -162,19 +162,19 @@ class VerifyResult:
         return "; ".join(parts) + "; nothing was written"
 
 
-def pte_step_functions(pte: Path) -> tuple[StepFn, StepFn]:
-    """``prefill`` and ``decode`` of a ``.pte`` through ExecuTorch's C++ runtime."""
+def pte_step_functions(pte: Path, shape: GraphShape) -> tuple[StepFn, StepFn]:
+    """The prefill and decode steps of a ``.pte`` through ExecuTorch's C++ runtime (``decode``
+    serves both in a single-method program)."""
     import executorch.kernels.quantized  # noqa: F401  registers the quantized kernels
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(pte))
-    methods = {name: program.load_method(name) for name in ("prefill", "decode")}
 
     def step(name: str) -> StepFn:
-        method = methods[name]
+        method = program.load_method(name)
         return lambda *inputs: method.execute(list(inputs))
 
-    return step("prefill"), step("decode")
+    return shape.step_pair({name: step(name) for name in program.method_names})
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> Comparison:
