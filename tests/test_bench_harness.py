@@ -390,3 +390,19 @@ def test_dist_projection_reads_the_committed_distributed_run(tmp_path, demo_src)
     assert [row["hosts"] for row in doc["projection"]] == [1, 4, 16]
     assert dist_projection.main([str(results[-1]), "--source", str(tmp_path / "nowhere"),
                                  "--out", str(out)]) == 2
+
+
+def test_core_scaling_smoke_writes_the_pair_over_solo(tmp_path):
+    """The core-scaling probe runs its real workloads in pinned processes and writes, per
+    workload, the pair's total rate over the solo rate and its inverse (the two-rank bound)."""
+    from benchmarks import core_scaling
+
+    assert core_scaling.main(["--smoke", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("core-scaling-smoke-*.json")
+    doc = json.loads(path.read_text())
+    provenance.validate(doc["provenance"])
+    for workload in core_scaling.WORKLOADS:
+        rec = doc["passes"][0][workload]
+        assert rec["solo_rate"] > 0 and len(rec["pair_rates"]) == 2 and min(rec["pair_rates"]) > 0
+        assert rec["pair_total_over_solo"] == pytest.approx(sum(rec["pair_rates"]) / rec["solo_rate"])
+        assert rec["best_two_rank_wall_ratio"] == pytest.approx(1 / rec["pair_total_over_solo"])
