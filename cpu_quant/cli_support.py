@@ -157,6 +157,11 @@ def quantize_options(fn):
                      help="Symmetric scales >= 0 only, the convention of ExecuTorch's XNNPACK "
                           "and QNN int4 weights: export-phone --quantized takes such a run's "
                           "codes as they are (see docs/phone.md)."),
+        click.option("--w4a8-hessians", is_flag=True,
+                     help="GPTQ's Hessians from the activations quantized to int8 per token, as "
+                          "vLLM's AMX W4A8 kernel multiplies them, instead of the bf16 ones. "
+                          "An option to measure (cpu-quant eval --w4a8), off by default; see "
+                          "docs/gptq.md."),
         click.option("--no-lm-head", is_flag=True,
                      help="Keep the output head bf16 (costs decode speed; see docs/gptq.md)."),
         click.option("--head-group", type=int, default=None,
@@ -210,7 +215,7 @@ def _settings_from(opts: dict, symmetric: bool):
         head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
         offload_activations=opts["offload_activations"], symmetric=symmetric,
-        positive_scales=opts["positive_scales"])
+        positive_scales=opts["positive_scales"], w4a8_hessians=opts["w4a8_hessians"])
 
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,

@@ -378,3 +378,51 @@ def test_int8_levels_search_and_signed_codes():
     s4 = search_symmetric_scales(w, imp)
     assert torch.equal(quantize_signed(w, s4, INT4).to(torch.int16) + 8,
                        quantize_codes(w, s4).to(torch.int16))
+
+
+def test_w4a8_emulation_is_the_kernels_integer_arithmetic():
+    """``int8_per_token`` then a float GEMM of the dequantized weights (what ``eval --w4a8``
+    computes, in float32) equals the W4A8 kernel's published arithmetic, computed here in
+    integers: activations to symmetric int8 per token (scale amax / 127), weights as 4-bit codes
+    with the zero point 8 and one scale per group, int32 dot products per group, then the two
+    scales."""
+    from cpu_quant.quantize.hessians import int8_per_token
+
+    gen = torch.Generator().manual_seed(3)
+    m, k, n, g = 5, 256, 24, 64
+    x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 8, k)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    w_scale = torch.rand(n, k // g, generator=gen, dtype=torch.float64) * 0.02 + 1e-3
+    # the kernel's integers
+    x_scale = x.abs().amax(-1, keepdim=True).double() / 127.0
+    qx = torch.clamp(torch.round(x.double() / x_scale), -127, 127).to(torch.int64)
+    assert qx.abs().max() == 127
+    acc = torch.stack([(qx[:, a:a + g] @ (codes[:, a:a + g] - 8).T) for a in range(0, k, g)], -1)
+    assert acc.abs().max() < 2**31  # an int32 accumulator holds every group's sum
+    ref = (acc.double() * w_scale.unsqueeze(0)).sum(-1) * x_scale
+    # the emulation
+    w = (codes - 8).double() * w_scale.repeat_interleave(g, 1)
+    got = int8_per_token(x).double() @ w.T
+    assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()  # float32 scales: the only rounding
+    # a bf16 input (the calibration activations) comes back in bf16
+    assert int8_per_token(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_w4a8_hessians_reach_the_product():
+    """--w4a8-hessians: the accumulated Hessian is 2 XqᵀXq / n of the int8-per-token inputs,
+    which differs from the bf16 inputs' Hessian."""
+    from cpu_quant.quantize.hessians import HessianAccumulator, gram, int8_per_token, w4a8_gram
+
+    gen = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(96, 8, bias=False).to(torch.bfloat16)
+    x = (torch.randn(3, 40, 96, generator=gen) * torch.linspace(0.05, 6, 96)).to(torch.bfloat16)
+    plain = HessianAccumulator({"lin": lin})
+    quant = HessianAccumulator({"lin": lin}, product=w4a8_gram)
+    with torch.no_grad():
+        lin(x)
+    flat = x.reshape(-1, 96)
+    assert torch.equal(quant.hessian("lin"), 2.0 * gram(int8_per_token(flat)) / 120)
+    assert torch.equal(plain.hessian("lin"), 2.0 * gram(flat) / 120)
+    assert not torch.equal(quant.hessian("lin"), plain.hessian("lin"))
+    plain.close()
+    quant.close()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..data.corpus import load_texts, token_windows
 from ..errors import CpuQuantError
 from ..io.checkpoint import load_tokenizer, model_context, open_checkpoint
+from ..quantize.hessians import int8_per_token
 from . import stats
 from .reference_logits import (
     ExactWindow,
@@ -116,16 +117,9 @@ def _greedy(model, prompts: torch.Tensor, new_tokens: int, progress: bool = Fals
 
 
 def _int8_per_token(module, inputs):
-    """Fake-quantize a linear's input the way vLLM's W4A8 kernel does before its int8 GEMM.
-
-    ``int4_scaled_mm_cpu`` (sgl-kernel's AMX W4A8 GEMM in vLLM's CPU build) quantizes each
-    activation row dynamically to int8 with one scale per row (amax / 127) before multiplying
-    with the int4 weights. This machine has no AMX, so we emulate it in torch.
-    """
-    x = inputs[0]
-    scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.0
-    xq = torch.clamp(torch.round(x.float() / scale), -127, 127) * scale
-    return (xq.to(x.dtype),) + tuple(inputs[1:])
+    """A linear's input fake-quantized the way vLLM's W4A8 kernel does before its int8 GEMM
+    (``quantize.hessians.int8_per_token``). This machine has no AMX, so it is emulated in torch."""
+    return (int8_per_token(inputs[0]),) + tuple(inputs[1:])
 
 
 @contextmanager

@@ -35,6 +35,22 @@ def bf16_products():
         mm.fp32_precision = previous
 
 
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as vLLM's W4A8 kernel sees it: each row (token) quantized to symmetric int8 with
+    one float32 scale ``amax / 127`` and rounded to nearest, returned dequantized in ``x``'s
+    dtype (exact in float32; a bf16 input, as the calibration activations are, gets the
+    dequantized values rounded to bf16, an error far below the int8 step). ``int4_scaled_mm_cpu``
+    (sgl-kernel's AMX W4A8 GEMM in vLLM's CPU build) does this to every linear's input before
+    its int8 GEMM."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.0
+    return (torch.clamp(torch.round(x.float() / scale), -127, 127) * scale).to(x.dtype)
+
+
+def w4a8_gram(x: torch.Tensor) -> torch.Tensor:
+    """:func:`gram` of the int8-per-token activations the W4A8 kernel multiplies."""
+    return gram(int8_per_token(x))
+
+
 GRAM_BLOCK = 256  # column-block width of :func:`gram`
 GRAM_ROWS = 2048  # rows per bf16 product of :func:`gram`, summed in float32
 
@@ -121,9 +137,11 @@ class HessianAccumulator:
     (:class:`LayerDone`); a layer that calls a linear twice always runs to the end.
     """
 
-    def __init__(self, modules: dict[str, nn.Module], new_sum: NewGramSum = GramSum) -> None:
+    def __init__(self, modules: dict[str, nn.Module], new_sum: NewGramSum = GramSum,
+                 product: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.h: dict[str, GramSum] = {}  # made when the linear first sees an input
         self.new_sum = new_sum
+        self.product = product or gram  # gram, or w4a8_gram
         self.names = list(modules)
         self._calls: dict[str, int] = {}
         self._stop_early = False
@@ -144,7 +162,7 @@ class HessianAccumulator:
             if self._last is not None and self._last[0] is x:
                 xtx = self._last[1]
             else:
-                xtx = gram(x.reshape(-1, x.shape[-1]))
+                xtx = self.product(x.reshape(-1, x.shape[-1]))
                 self._last = (x, xtx)  # holding x keeps its identity unique
             if name not in self.h:
                 self.h[name] = self.new_sum(x.shape[-1])

@@ -47,7 +47,7 @@ from ..memory import (
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
-from .hessians import HessianAccumulator, gram
+from .hessians import HessianAccumulator, gram, w4a8_gram
 from .plan import HEAD_NAME, LinearPlan, check_group, dynamic_overrides, plan_linear
 from .provenance import provenance
 from .resume import (
@@ -121,6 +121,8 @@ class LayerQuantizer:
                              positive_scales=settings.positive_scales)
         self.sinks, self.state, self.new_store = sinks, state, new_store
         self.team = team or Team()
+        # the Hessians' product: of the activations as they are, or as the W4A8 kernel sees them
+        self.product = w4a8_gram if settings.w4a8_hessians else gram
         self.structures: dict = {}  # sequential.signature -> Structure or None
 
     def _timed(self, phase: str, fn: Callable) -> Callable:
@@ -172,10 +174,10 @@ class LayerQuantizer:
             outputs = run_true_sequential(layer, structure, hidden,
                                           lambda b, h: stream.call_layer(i, b, h),
                                           quantize_group, self.new_store,
-                                          self._timed("hessians", gram), self.team.new_sum)
+                                          self._timed("hessians", self.product), self.team.new_sum)
         else:
             acc = HessianAccumulator({n: m for n, m in linears.items() if plans[n].quantize},
-                                     self.team.new_sum)
+                                     self.team.new_sum, self.product)
             try:
                 stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
             finally:
@@ -213,7 +215,7 @@ class LayerQuantizer:
                 with torch.no_grad():
                     for h in hidden:
                         x = norm(h).reshape(-1, hidden_size)
-                        acc_h.add(gram(x), x.shape[0])
+                        acc_h.add(self.product(x), x.shape[0])
                 hess = acc_h.hessian()
             kill_point("head")
             [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings, self.grid,

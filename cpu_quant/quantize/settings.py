@@ -30,12 +30,16 @@ class QuantSettings:
     # symmetric scales >= 0 only: the convention of the phone runtimes' int4 weights
     # (export-phone); the default search may pick a negative scale to use the -8 level
     positive_scales: bool = False
+    # GPTQ's Hessians from the int8-per-token activations vLLM's W4A8 kernel multiplies
+    w4a8_hessians: bool = False
 
     def validate(self) -> None:
         if self.method not in METHODS:
             raise CpuQuantError(f"--method must be one of {', '.join(METHODS)}")
         if self.method == "gptq" and self.calib == "none":
             raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
+        if self.w4a8_hessians and self.method != "gptq":
+            raise CpuQuantError("--w4a8-hessians applies to --method gptq only")
         if self.positive_scales and not self.symmetric:
             raise CpuQuantError("--positive-scales applies to the symmetric grid only")
         if not 0 < self.damp <= 1:

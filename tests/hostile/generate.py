@@ -921,6 +921,8 @@ QUANTIZE_OPTION_FAULTS = {
     "damp-0": (["--damp", "0"], "--damp must be in (0, 1]"),
     "damp-2": (["--damp", "2"], "--damp must be in (0, 1]"),
     "gptq-without-data": (["--calib", "none"], "GPTQ needs calibration data"),
+    "w4a8-hessians-rtn": (["--method", "rtn", "--w4a8-hessians"],
+                          "--w4a8-hessians applies to --method gptq only"),
     "format-unknown": (["--format", "gptq,nope"], "nope"),
     "format-empty": (["--format", ""], "--format"),
     "quiet-and-verbose": (["-q", "-v"], "-q and -v contradict"),
