@@ -111,6 +111,9 @@ def test_fidelity_suite_smoke(fidelity_result):
         m = rec["metrics"]
         assert m["kl_mean"] >= 0 and 0 <= m["top1_agreement"] <= 1
         assert 0 <= m["greedy_prefix_fraction"] <= 1
+        # W4A8 (int8 activations, emulated): the same evaluation, more error
+        assert m["kl_mean_w4a8"] >= 0 and 0 <= m["top1_agreement_w4a8"] <= 1
+        assert m["kl_mean_w4a8"] != m["kl_mean"]
         snr = rec["extras"]["per_layer_weight_snr_db"]
         assert set(snr) == {"0", "1"} and all(v > 5 for v in snr.values())
     # an arm whose command does not exist yet is named in the notes, not silently dropped

@@ -16,12 +16,16 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
                            ``g_idx`` stays trivial), head bf16
 ``gptq-natural-order``     GPTQ sweeping the columns in natural order (``--no-act-order``)
 ``gptq+head``              GPTQ with the output head quantized too (cpu-quant's default)
+``gptq+head-g32``          the default with the head in groups of 32 (``--head-group 32``)
+``gptq+head+w4a8-hess``    the default with GPTQ's Hessians from int8-per-token activations
+                           (``--w4a8-hessians``, as vLLM's W4A8 kernel sees them)
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
 =========================  =======================================================================
 
-Every arm except ``gptq+head`` keeps the head bf16, as the issue's comparison asks. Calibration
+The ``gptq`` arms without ``+head`` and the peers keep the head bf16 (the comparison with
+GPTQModel); the ``+head`` arms are what a user deploys. Calibration
 is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVAL_SMOKE``).
 
 ``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
@@ -36,7 +40,9 @@ over the artifact's tensor files and ``config.json`` only, so it equals the dige
 
 Metrics: ``kl_mean`` (nats, lower), ``ppl_delta`` (quantized − reference perplexity, lower),
 ``top1_agreement`` (higher), ``greedy_prefix_fraction`` (higher), ``greedy_exact`` (prompts
-reproduced exactly, higher). The evaluation is deterministic, so the spread over passes is
+reproduced exactly, higher), all with bf16/float activations (what ``cpu_gemm_wna16`` and
+tinygemm compute); and ``kl_mean_w4a8``, ``top1_agreement_w4a8``: the same with every linear's
+input quantized to int8 per token (``eval --w4a8``: vLLM's AMX W4A8 kernel, emulated). The evaluation is deterministic, so the spread over passes is
 expected to be 0: a non-zero spread would flag non-determinism. Extras per pass: perplexities,
 bits per weight (``quantize.gptq_artifact_bits`` for every GPTQ artifact alike) and, once per
 arm, the per-layer weight SNR of the dequantized artifact against the source.
@@ -65,7 +71,10 @@ METRICS = [
     Metric("top1_agreement", "fraction", "higher"),
     Metric("greedy_prefix_fraction", "fraction", "higher"),
     Metric("greedy_exact", "prompts", "higher"),
+    Metric("kl_mean_w4a8", "nats", "lower"),
+    Metric("top1_agreement_w4a8", "fraction", "higher"),
 ]
+W4A8 = {"kl_mean_w4a8": "kl_mean", "top1_agreement_w4a8": "top1_agreement"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,10 @@ ARMS: tuple[FidelityArm, ...] = (
                 flags=("--method", "gptq", "--no-act-order", NO_HEAD)),
     FidelityArm("gptq+head", "GPTQ, output head quantized too", "cpu-quant",
                 flags=("--method", "gptq")),
+    FidelityArm("gptq+head-g32", "GPTQ, head quantized in groups of 32", "cpu-quant",
+                flags=("--method", "gptq", "--head-group", "32")),
+    FidelityArm("gptq+head+w4a8-hess", "GPTQ, head quantized, Hessians of int8 activations",
+                "cpu-quant", flags=("--method", "gptq", "--w4a8-hessians")),
     FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",
                 subcommand="tinygemm", flags=(NO_HEAD,)),
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),
@@ -108,7 +121,7 @@ def eval_argv(artifact: Path, src: Path, ev: dict, out: Path) -> list[str]:
     return [*q.CLI, "eval", str(artifact), "--reference", str(src),
             "--windows", str(ev["windows"]), "--seqlen", str(ev["seqlen"]),
             "--prompts", str(ev["prompts"]), "--new-tokens", str(ev["new_tokens"]),
-            "--output-json", str(out)]
+            "--w4a8", "--output-json", str(out)]
 
 
 def read_fidelity(path: Path) -> dict:
@@ -162,8 +175,10 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
 
 
 def _collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
-    fid = read_fidelity(ctx.workdir / "fidelity.json")
-    return {m.name: float(fid[m.name]) for m in METRICS}
+    doc = json.loads((ctx.workdir / "fidelity.json").read_text())["fidelity"]
+    w4a8 = doc["w4a8_emulated"]
+    return {m.name: float(w4a8[W4A8[m.name]] if m.name in W4A8 else doc["weights"][m.name])
+            for m in METRICS}
 
 
 ArtifactOf = Callable[[PassContext], Path]

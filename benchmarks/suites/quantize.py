@@ -223,6 +223,11 @@ def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
         problems.append(f"method {s['method']} != {method}")
     if s["scale_search"] == ("--no-scale-search" in flags):
         problems.append(f"scale_search {s['scale_search']} with flags {flags}")
+    if s.get("w4a8_hessians", False) != ("--w4a8-hessians" in flags):
+        problems.append(f"w4a8_hessians {s.get('w4a8_hessians')} with flags {flags}")
+    head_group = int(flags[flags.index("--head-group") + 1]) if "--head-group" in flags else None
+    if s.get("head_group") != head_group:
+        problems.append(f"head_group {s.get('head_group')} != {head_group}")
     if problems:
         raise ValueError("settings did not reach the pipeline: " + "; ".join(problems))
     return report
