@@ -44,6 +44,8 @@ SMALL = dict(max_seq_len=48, prefill_len=16, calib_len=48, calib_decode_tokens=4
 TINY_GPTQ = ["--group", "32", "--positive-scales", "--samples", "8", "--seqlen", "64",
              "--no-eval"]
 SMALL_CLI = ["--max-seq-len", "48", "--prefill-len", "16", "--quiet"]
+# a program with the decode method alone: half the lowering, for the tests of refused programs
+SINGLE_METHOD_CLI = ["--max-seq-len", "48", "--prefill-len", "1", "--quiet"]
 
 
 def small_settings(**kw) -> PhoneExportSettings:
@@ -536,7 +538,7 @@ def test_verification_fails_the_command_on_a_broken_program(peaked_llama: Path, 
                         lambda: xnnpack.ProbeResult(99.0, True))
     out = tmp_path / "broken"
     result = CliRunner().invoke(export_phone, [str(peaked_llama), str(out), "--backend", "xnnpack",
-                                               "--scheme", "8w", *SMALL_CLI])
+                                               "--scheme", "8w", *SINGLE_METHOD_CLI])
     assert result.exit_code == 3, result.output
     # the read-back of the program's integer weights is the first check to see the fault
     assert result.stderr.startswith("error: model.pte does not hold the decided integer weights"), \
@@ -585,7 +587,7 @@ def test_scales_off_by_two_fail_the_command_and_leave_nothing(
     out = tmp_path / "corrupt"
     result = CliRunner().invoke(export_phone, [
         str(peaked_llama), str(out), "--backend", "xnnpack", "--scheme", "8da4w",
-        "--quantized", str(tiny_gptq), *SMALL_CLI])
+        "--quantized", str(tiny_gptq), *SINGLE_METHOD_CLI])
     assert len(corrupted) == 15, "the corruption was not applied to every linear"
     assert result.exit_code == 3, result.output
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
