@@ -406,6 +406,8 @@ def run_suite(suite: Suite, passes: int, smoke: bool, out_dir: Path, workdir: Pa
     """Run every arm ``passes`` times, interleaved; write and return the result."""
     check_passes(passes, smoke)
     git_at_start = provenance.git_state()
+    # a partial file is cited too: it names the machine it ran on from the first pass
+    machine = {"cpu": provenance.cpu_info(), "threads": provenance.thread_settings()}
     if suite.skipped and not smoke:
         raise HarnessError("arms may only be skipped in a smoke run: "
                            + "; ".join(f"{s.arm}: {s.reason}" for s in suite.skipped))
@@ -456,7 +458,7 @@ def run_suite(suite: Suite, passes: int, smoke: bool, out_dir: Path, workdir: Pa
             _write_json_atomic(partial, {
                 "suite": suite.name, "complete": False, "smoke": smoke, "passes": passes,
                 "arms": {a.name: a.settings for a in suite.arms}, "git_at_start": git_at_start,
-                "builds": {k: asdict(v) for k, v in builds.items()},
+                "machine": machine, "builds": {k: asdict(v) for k, v in builds.items()},
                 "records": [asdict(r) for r in records]})
             state = "ok" if rec.ok else f"FAILED ({rec.error})"
             log(f"[{suite.name}] pass {p + 1}/{passes} #{pos + 1} {name}: {state} "

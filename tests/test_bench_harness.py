@@ -133,6 +133,21 @@ def _run(suite: Suite, tmp_path: Path, passes: int = 3, smoke: bool = False):
                              log=lambda s: None)
 
 
+def test_a_partial_record_names_the_machine_from_its_first_pass(tmp_path):
+    seen = []
+    arm = _value_arm("A", 1.0)
+    collect = arm.collect
+
+    def peek(ctx, run):  # what a reader of a cut-off run finds after each pass
+        seen.extend(json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.partial.json"))
+        return collect(ctx, run)
+
+    _run(_suite([Arm("A", arm.settings, arm.command, peek)]), tmp_path)
+    assert seen and all(s["complete"] is False for s in seen)
+    assert seen[-1]["machine"]["cpu"] == provenance.cpu_info()
+    assert len(seen[-1]["records"]) == 2
+
+
 def test_run_suite_interleaves_with_rotation_and_writes_the_result(tmp_path):
     suite = _suite([_value_arm("A", 2.0), _value_arm("B", 1.0)])
     result, path = _run(suite, tmp_path)
