@@ -158,6 +158,20 @@ def test_gptq_codes_become_stored_codes_exactly() -> None:
     assert lw.bits == 4 and lw.group == 32 and not lw.per_channel
 
 
+def test_the_exports_gptq_run_is_the_command_with_the_tests_settings() -> None:
+    """The tiny 8da4w export makes its codes with `cpu-quant gptq` and TINY_GPTQ's flags, in
+    its own process (which the tests compare the program against)."""
+    from cpu_quant.export.pipeline import gptq_command
+
+    argv = gptq_command(Path("SRC"), Path("OUT"), small_settings(backend="xnnpack",
+                                                                 scheme="8da4w"), quiet=True)
+    assert argv[1:6] == ["-m", "cpu_quant.cli", "gptq", "SRC", "OUT"]
+    flags = argv[6:]
+    threads = flags.index("--threads")
+    assert flags[threads + 1] == str(torch.get_num_threads())
+    assert sorted(flags[:threads] + flags[threads + 2:]) == sorted(TINY_GPTQ + ["--quiet"])
+
+
 def test_codes_the_phone_cannot_hold_are_refused() -> None:
     """Negative scales (the signed search's -8 trick has no +8 to flip to) and zero points."""
     from cpu_quant.export.weights import from_group_quant

@@ -75,7 +75,7 @@ FLOAT_FLOORS: dict[str, Floors] = {
     "fp32": Floors(60.0, 0.99, 1.001),
     "8w": Floors(20.0, 0.90, 1.02),  # not measured: the scheme is refused (wrong logits)
     "8da8w": Floors(20.0, 0.85, 1.05),
-    "8da4w": Floors(10.0, 0.70, 1.15),
+    "8da4w": Floors(10.0, 0.65, 1.20),
     "w8a16": Floors(18.0, 0.88, 1.02),
     "16a4w": Floors(8.0, 0.60, 1.45),
 }
