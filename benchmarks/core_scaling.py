@@ -26,7 +26,6 @@ Result: ``benchmarks/results/core-scaling[-smoke]-<UTC time>.json``, with proven
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 from . import provenance
-from .harness import MIN_PASSES, rotated_order, spread
+from .harness import MIN_PASSES, rotated_order, spread, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("forward", "gram")
@@ -152,12 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance.validate(prov)
     doc = {"suite": "core-scaling", "smoke": args.smoke, "passes": passes,
            "summary": summarize(passes), "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = args.out / f"core-scaling{'-smoke' if args.smoke else ''}-{stamp}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = write_result(args.out, f"core-scaling{'-smoke' if args.smoke else ''}", doc)
     for workload, s in doc["summary"].items():
         print(f"{workload}: pair/solo {s['pair_total_over_solo']['median']:.2f} "
               f"(best two-rank wall ratio {s['best_two_rank_wall_ratio']['median']:.3f})")

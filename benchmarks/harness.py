@@ -391,6 +391,14 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_result(out_dir: Path, name: str, doc: dict) -> Path:
+    """Write ``doc`` to ``out_dir/<name>-<UTC time>.json`` atomically; return the path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = out_dir / f"{name}-{stamp}.json"
+    _write_json_atomic(path, doc)
+    return path
+
+
 def _cleanup_earlier(workdirs: dict[str, list[Path]], arm: str, keep: str) -> None:
     if keep != "last":
         return

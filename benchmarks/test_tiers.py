@@ -32,6 +32,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from . import provenance
+from .harness import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -147,12 +148,7 @@ def main(argv: list[str] | None = None) -> int:
            "description": "CI's steps (.ci/run) timed on this checkout, one run each",
            "records": records, "total_wall_seconds": round(sum(r["wall_seconds"] for r in records), 1),
            "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = args.out / f"test-tiers-{stamp}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = write_result(args.out, "test-tiers", doc)
     print(f"test_tiers: wrote {path}", file=sys.stderr)
     return 0 if all(r["returncode"] == 0 for r in records) and doc["complete"] else 1
 
