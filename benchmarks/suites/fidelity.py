@@ -22,12 +22,10 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
-``gptqmodel+head``         ``gptqmodel`` with the output head quantized too (``lm_head=True``):
-                           the peer of the ``+head`` arms
 =========================  =======================================================================
 
-The arms without ``+head`` keep the head bf16 (the comparison with GPTQModel); the ``+head``
-arms are what a user deploys, and ``gptqmodel+head`` is GPTQModel's counterpart. Calibration
+The ``gptq`` arms without ``+head`` and the peers keep the head bf16 (the comparison with
+GPTQModel); the ``+head`` arms are what a user deploys. Calibration
 is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVAL_SMOKE``).
 
 ``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
@@ -87,7 +85,6 @@ class FidelityArm:
     subcommand: str = "gptq"  # cpu-quant only
     flags: tuple[str, ...] = ()  # cpu-quant only
     matched_groups: bool = True  # gptqmodel only: apply cpu-quant's group-64 dynamic rules
-    lm_head: bool = False  # gptqmodel only: quantize the output head too (``lm_head=True``)
 
 
 NO_HEAD = "--no-lm-head"
@@ -111,8 +108,6 @@ ARMS: tuple[FidelityArm, ...] = (
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),
     FidelityArm("gptqmodel-g128-native", "GPTQModel 7.6.0, plain group 128", "gptqmodel",
                 matched_groups=False),
-    FidelityArm("gptqmodel+head", "GPTQModel 7.6.0, matched groups, output head quantized",
-                "gptqmodel", lm_head=True),
 )
 
 
@@ -242,7 +237,7 @@ def cpu_quant_fidelity_arm(spec: FidelityArm, src: Path, settings: dict, ev: dic
 
 
 def check_gptqmodel_artifact(artifact: Path, windows: Path, settings: dict,
-                             dynamic: dict | None, lm_head: bool = False) -> None:
+                             dynamic: dict | None) -> None:
     """A GPTQModel artifact belongs to this arm: same windows (by hash), groups and head."""
     from ..provenance import artifact_digest
 
@@ -251,7 +246,7 @@ def check_gptqmodel_artifact(artifact: Path, windows: Path, settings: dict,
     problems = []
     if artifact_digest(spec["windows"])["sha256"] != artifact_digest(windows)["sha256"]:
         problems.append("calibration windows differ")
-    for key, want in (("group_size", settings["group"]), ("lm_head", lm_head),
+    for key, want in (("group_size", settings["group"]), ("lm_head", False),
                       ("desc_act", False), ("sym", True), ("dynamic", dynamic)):
         if spec.get(key) != want:
             problems.append(f"{key} is {spec.get(key)!r}, the arm wants {want!r}")
@@ -269,16 +264,16 @@ def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, windows: Path, settings
         env = q.peer_env()
         spec_file = bdir / "spec.json"
         spec_file.write_text(json.dumps(q.gptqmodel_spec(src, bdir / "artifact", windows,
-                                                         settings, dyn, spec.lm_head), indent=2))
+                                                         settings, dyn), indent=2))
         return Command([str(env.python), str(gptqmodel_env.RUNNER), str(spec_file)],
                        env=dict(q.GPTQMODEL_ENV), cwd=str(bdir), timeout=timeout)
 
     def verify(artifact: Path) -> None:
-        check_gptqmodel_artifact(artifact, windows, settings, dyn, spec.lm_head)
+        check_gptqmodel_artifact(artifact, windows, settings, dyn)
 
     return Arm(spec.name, {"description": spec.description,
                            "tool": f"gptqmodel=={gptqmodel_env.GPTQMODEL_VERSION}",
-                           "dynamic": dyn, "lm_head": spec.lm_head, "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
+                           "dynamic": dyn, "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
                            "prebuilt": str(prebuilt) if prebuilt else None},
                _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
                build=None if prebuilt else build_cmd,

@@ -256,10 +256,10 @@ def cpu_quant_arm(name: str, method: str, src: Path, settings: dict, timeout: fl
                extras=extras)
 
 
-def gptqmodel_spec(src: Path, dst: Path, windows: Path, settings: dict, dynamic: dict | None,
-                   lm_head: bool = False) -> dict:
+def gptqmodel_spec(src: Path, dst: Path, windows: Path, settings: dict, dynamic: dict | None
+                   ) -> dict:
     return {"model": str(src), "out": str(dst), "windows": str(windows), "bits": 4,
-            "group_size": settings["group"], "sym": True, "desc_act": False, "lm_head": lm_head,
+            "group_size": settings["group"], "sym": True, "desc_act": False, "lm_head": False,
             "dynamic": dynamic, "batch_size": settings["batch_size"]}
 
 
