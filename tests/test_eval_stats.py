@@ -185,3 +185,19 @@ def test_saved_reference_refuses_other_text_or_tokens(tmp_path):
         saved.check_matches(windows + 1, prompts, "abc", settings, tmp_path)
     with pytest.raises(CpuQuantError, match="saved with seqlen=4"):
         saved.check_matches(windows, prompts, "abc", {**settings, "seqlen": 8}, tmp_path)
+
+
+def test_eval_refuses_a_module_that_a_dynamic_rule_makes_8_bit(tiny_llama, tiny_rtn, tmp_path):
+    """GPTQModel 7.6.0 with lm_head=True stores the head at 8 bits through a `dynamic` rule:
+    one error line naming the module, not a traceback from unpacking it as 4-bit."""
+    import shutil
+
+    art = tmp_path / "head8"
+    shutil.copytree(tiny_rtn, art)
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["quantization_config"]["dynamic"] = {"lm_head": {"bits": 8, "group_size": 32}}
+    (art / "config.json").write_text(json.dumps(cfg))
+    result = _eval(str(art), "--reference", str(tiny_llama), *SMALL)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.exit_code != 0 and lines[-1].startswith("error: lm_head: 8-bit weights"), \
+        result.stderr

@@ -8,6 +8,7 @@ and ``g_idx``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -24,6 +25,17 @@ from ..io.checkpoint import (
 )
 
 
+def _dynamic_bits(qcfg: dict, module: str) -> int | None:
+    """The bits the first positive ``dynamic`` rule matching ``module`` (a regular expression,
+    as vLLM and GPTQModel match it) gives it, or None when no rule names bits."""
+    for pattern, override in (qcfg.get("dynamic") or {}).items():
+        if pattern.startswith("-:") or not isinstance(override, dict) or "bits" not in override:
+            continue
+        if re.match(pattern.removeprefix("+:"), module):
+            return int(override["bits"])
+    return None
+
+
 def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     qcfg = ckpt.config.get("quantization_config") or {}
     method = qcfg.get("quant_method")
@@ -37,6 +49,10 @@ def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, to
     modules = fmt.modules(ckpt)
     owned = {f"{m}.{s}" for m in modules for s in fmt.suffixes}
     for m in modules:
+        bits = _dynamic_bits(qcfg, m)
+        if bits not in (None, 4):
+            raise CpuQuantError(f"{m}: {bits}-bit weights (the config's `dynamic` rules); only "
+                                "4-bit modules can be read")
         state[f"{m}.weight"] = fmt.dequantize(fmt.read_tensors(ckpt, m), qcfg).to(dtype)
     for n in ckpt.names:
         if n not in owned:
