@@ -424,6 +424,11 @@ def test_8da4w_program_holds_the_gptq_sinks_codes(xnnpack_8da4w, tiny_gptq: Path
     assert report["weights"]["notes"] == []
     gptq_run = report["weights"]["source"]["gptq_run"]
     assert gptq_run["positive_scales"] and gptq_run["group_size"] == 32
+    command = report["weights"]["source"]["command"]  # the cpu-quant gptq command it ran
+    assert command[:4] == ["cpu-quant", "gptq", "SRC", "OUT"]
+    threads = command.index("--threads")
+    flags = command[4:threads] + command[threads + 2:]
+    assert sorted(a for a in flags if a != "--quiet") == sorted(TINY_GPTQ)
     v = report["verification"]
     assert v["passed"] and v["perplexity_ratio"] <= FLOAT_FLOORS["8da4w"].max_ppl_ratio
 
@@ -653,6 +658,25 @@ def _cli_error(args: list[str]) -> str:
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
+
+
+def test_a_failed_gptq_run_is_one_line_and_leaves_nothing(peaked_llama: Path, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """The export's GPTQ command exits non-zero: its last error line is the export's one line,
+    exit 2, and neither OUT nor the staging directory is left."""
+    import sys
+
+    from cpu_quant.export import pipeline
+
+    def failing(src, target, settings, quiet):
+        return [sys.executable, "-c", "import sys; sys.stderr.write('error: --calib x: no text\\n');"
+                " sys.exit(2)"]
+
+    monkeypatch.setattr(pipeline, "gptq_command", failing)
+    line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
+                       "--scheme", "8da4w", *SMALL_CLI])
+    assert "the GPTQ run for the 4-bit codes failed (exit 2): error: --calib x: no text" in line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_calibrating_on_the_heldout_text_is_refused(peaked_llama: Path, tmp_path: Path) -> None:

@@ -378,7 +378,7 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
         shutil.rmtree(target, ignore_errors=True)
     return results, {"origin": "gptq", "quantized": None,
                      "gptq_run": asdict(settings.gptq_settings()),
-                     "command": ["cpu-quant", *argv[3:5], "SRC", "OUT", *argv[7:]],
+                     "command": ["cpu-quant", "gptq", "SRC", "OUT", *argv[6:]],
                      "quantization_config": qcfg}
 
 
