@@ -33,10 +33,12 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("fp32", "8da8w", "8da4w", "w8a16", "16a4w")
+ARMS = ("fp32", "8da8w", "8da4w", "8da4w-smooth", "w8a16", "16a4w")
 BASELINE = "fp32"
-BACKEND = {"fp32": "xnnpack", "8da8w": "xnnpack", "8da4w": "xnnpack", "w8a16": "qnn",
-           "16a4w": "qnn"}
+# an arm is a scheme, with export settings of its own where its name says so
+SCHEME = {arm: arm.split("-")[0] for arm in ARMS}
+ARM_SETTINGS = {"8da4w-smooth": {"gptq_smooth": True}}  # export-phone --gptq-smooth
+BACKEND = {arm: "qnn" if SCHEME[arm] in ("w8a16", "16a4w") else "xnnpack" for arm in ARMS}
 
 
 def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tokens: int,
@@ -74,16 +76,18 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
             "threads": torch.get_num_threads()}
 
 
-def export(src: Path, out: Path, scheme: str, max_seq_len: int, prefill_len: int,
+def export(src: Path, out: Path, arm: str, max_seq_len: int, prefill_len: int,
            verify_windows: int, gptq: dict | None = None) -> dict:
-    """One export of ``src`` into ``out`` (replaced), verification included; ``gptq``: the
-    GPTQ run's calibration (``gptq_samples``, ``gptq_seqlen``) for the 4-bit schemes."""
+    """One export of ``src`` into ``out`` (replaced) for ``arm`` (its scheme and settings),
+    verification included; ``gptq``: the GPTQ run's calibration (``gptq_samples``,
+    ``gptq_seqlen``) for the 4-bit schemes."""
     from cpu_quant.export.pipeline import PhoneExportSettings, export_phone
 
-    settings = PhoneExportSettings(backend=BACKEND[scheme], scheme=scheme,
+    settings = PhoneExportSettings(backend=BACKEND[arm], scheme=SCHEME[arm],
                                    max_seq_len=max_seq_len,
                                    prefill_len=min(prefill_len, max_seq_len),
-                                   verify_windows=verify_windows, **(gptq or {}))
+                                   verify_windows=verify_windows, **(gptq or {}),
+                                   **ARM_SETTINGS.get(arm, {}))
     return export_phone(src, out, settings, overwrite=True, progress=False)
 
 

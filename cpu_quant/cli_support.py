@@ -162,6 +162,12 @@ def quantize_options(fn):
                           "vLLM's AMX W4A8 kernel multiplies them, instead of the bf16 ones. "
                           "An option to measure (cpu-quant eval --w4a8), off by default; see "
                           "docs/gptq.md."),
+        click.option("--smooth", is_flag=True,
+                     help="Fold activation smoothing into the weights before GPTQ (norm "
+                          "weights, v_proj and up_proj rows; strength chosen per fold on the "
+                          "W4A8 kernel's int8-per-token arithmetic). The checkpoint stays in "
+                          "stock vLLM's format. Llama, Mistral, Qwen2 and Qwen3 only; see "
+                          "docs/gptq.md."),
         click.option("--no-lm-head", is_flag=True,
                      help="Keep the output head bf16 (costs decode speed; see docs/gptq.md)."),
         click.option("--head-group", type=int, default=None,
@@ -215,7 +221,8 @@ def _settings_from(opts: dict, symmetric: bool):
         head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
         offload_activations=opts["offload_activations"], symmetric=symmetric,
-        positive_scales=opts["positive_scales"], w4a8_hessians=opts["w4a8_hessians"])
+        positive_scales=opts["positive_scales"], w4a8_hessians=opts["w4a8_hessians"],
+        smooth=opts["smooth"])
 
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,

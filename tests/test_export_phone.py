@@ -205,6 +205,43 @@ def test_a_linear_without_4bit_codes_gets_8bit_weights_and_a_note() -> None:
     assert 10 * torch.log10(model.b.weight.pow(2).sum() / err) > 35  # 8 bits per channel
 
 
+def test_a_smoothed_gptq_artifact_folds_the_static_graph_like_its_checkpoint(tiny_llama: Path,
+                                                                             tmp_path: Path) -> None:
+    """A ``gptq --smooth`` artifact: the export folds its factors into the static graph, whose
+    norms are then the artifact's bit for bit and whose float logits stay the source's (the
+    folded norms are stored in bf16: > 40 dB); the artifact passes the same-source check, and
+    a factors file that does not fit the source is refused in one line."""
+    from cpu_quant.export.weights import check_same_source, fold_smoothing
+    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
+    from cpu_quant.quantize.smooth_fold import FACTORS_FILE, load_factors, save_factors
+
+    art = tmp_path / "smoothed"
+    quantize_checkpoint(tiny_llama, art, QuantSettings(smooth=True, samples=8, seqlen=32,
+                                                       batch_size=2, group_size=32,
+                                                       positive_scales=True), progress=False)
+    check_same_source(art, tiny_llama)
+    model = load_static_lm(tiny_llama, 32)
+    shape = PhoneExportSettings(max_seq_len=32, prefill_len=16).shape(model)
+    ids = torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ref = StaticKVRunner(shape, model, model).score(ids)
+    factors = load_factors(art)
+    # per layer: two norms and the seven linears (v and up are both scaled and divided)
+    assert fold_smoothing(model, tiny_llama, factors) == 2 * 9 + 2
+    ckpt = open_checkpoint(art)
+    for name in ("layers.0.input_layernorm.weight", "layers.1.post_attention_layernorm.weight",
+                 "norm.weight"):
+        assert torch.equal(dict(model.named_parameters())[name].data,
+                           ckpt.tensor("model." + name).float()), name
+    with torch.no_grad():
+        assert snr_db(StaticKVRunner(shape, model, model).score(ids), ref) > 40
+    # the factors of another layer count do not fit
+    save_factors(art / FACTORS_FILE, {k: v for k, v in factors.items() if ".layers.1." not in k})
+    with pytest.raises(CpuQuantError, match="does not fit the source"):
+        check_same_source(art, tiny_llama)
+
+
 def test_smoothing_keeps_the_float_model_and_narrows_the_activations(tiny_llama: Path) -> None:
     """8da8w's smoothing: the smoothed static graph computes the float model's logits (float
     rounding only: > 90 dB), and the largest per-channel activation range of every linear's

@@ -19,6 +19,8 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 ``gptq+head-g32``          the default with the head in groups of 32 (``--head-group 32``)
 ``gptq+head+w4a8-hess``    the default with GPTQ's Hessians from int8-per-token activations
                            (``--w4a8-hessians``, as vLLM's W4A8 kernel sees them)
+``gptq+head+smooth``       the default with activation smoothing folded into the weights first
+                           (``--smooth``, strength chosen per fold on W4A8 error)
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
@@ -103,6 +105,8 @@ ARMS: tuple[FidelityArm, ...] = (
                 flags=("--method", "gptq", "--head-group", "32")),
     FidelityArm("gptq+head+w4a8-hess", "GPTQ, head quantized, Hessians of int8 activations",
                 "cpu-quant", flags=("--method", "gptq", "--w4a8-hessians")),
+    FidelityArm("gptq+head+smooth", "GPTQ, head quantized, activation smoothing folded in",
+                "cpu-quant", flags=("--method", "gptq", "--smooth")),
     FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",
                 subcommand="tinygemm", flags=(NO_HEAD,)),
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),

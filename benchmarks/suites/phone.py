@@ -8,15 +8,17 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
             time
 ``8da4w``   int4 GPTQ codes in groups of 32 (the export's own calibrated GPTQ run, positive
             scales), int8 activations per token
+``8da4w-smooth``  the same, with the GPTQ run folding activation smoothing into the weights
+            first (``export-phone --gptq-smooth``, i.e. ``cpu-quant gptq --smooth``)
 ``w8a16``   QNN: int8 weights per channel, calibrated uint16 activations; without the Qualcomm
             SDK the program runs on ExecuTorch's portable kernels on this host (not the HTP)
 ``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable
             kernels likewise
 
-**Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme S`` exports
+**Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme ARM`` exports
 the source with ``cpu_quant.export.pipeline.export_phone`` (static KV cache, ``prefill`` and
-``decode`` methods, verification of the ``.pte`` against the float source on held-out text
-included) into the arm's build directory. The harness records the build's wall time and peak
+``decode`` methods, verification of the ``.pte`` against the float source on 16 held-out
+windows of 128 tokens included) into the arm's build directory. The harness records the build's wall time and peak
 RssAnon (``result["builds"]``); the export's own phase times (load, quantize and lower, write,
 verify) are in every pass's extras. Export time is a single measurement per run, not a median.
 
@@ -57,7 +59,7 @@ from .quantize import SuiteOptions, select
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = {"max_seq_len": 128, "prefill_len": 64, "prompt_tokens": 64, "gen_tokens": 32,
-        "verify_windows": 4, "gptq_samples": 128, "gptq_seqlen": 512}
+        "verify_windows": 16, "gptq_samples": 128, "gptq_seqlen": 512}
 SMOKE = {"max_seq_len": 48, "prefill_len": 16, "prompt_tokens": 16, "gen_tokens": 8,
          "verify_windows": 1, "gptq_samples": 8, "gptq_seqlen": 64}
 TIMEOUT = {"export": 2 * 3600, "measure": 1800}
@@ -109,15 +111,18 @@ def _bench_argv(src: Path, settings: dict) -> list[str]:
             "--gptq-seqlen", str(settings["gptq_seqlen"])]
 
 
-def check_export(export_dir: Path, scheme: str, settings: dict) -> dict:
+def check_export(export_dir: Path, arm: str, settings: dict) -> dict:
     """The export's report, after checking it is this arm's program at the suite's sizes."""
     report = json.loads((export_dir / "export_report.json").read_text())
     s = report["settings"]
-    got = (report["backend"], report["scheme"], s["max_seq_len"], s["prefill_len"])
-    want = (pb.BACKEND[scheme], scheme, settings["max_seq_len"], settings["prefill_len"])
+    own = pb.ARM_SETTINGS.get(arm, {})
+    got = (report["backend"], report["scheme"], s["max_seq_len"], s["prefill_len"],
+           {k: s.get(k) for k in own})
+    want = (pb.BACKEND[arm], pb.SCHEME[arm], settings["max_seq_len"], settings["prefill_len"],
+            own)
     if got != want:
-        raise ValueError(f"{export_dir}: export (backend, scheme, max_seq_len, prefill_len) = "
-                         f"{got}, the arm wants {want}")
+        raise ValueError(f"{export_dir}: export (backend, scheme, max_seq_len, prefill_len, "
+                         f"arm settings) = {got}, the arm wants {want}")
     if not (export_dir / "model.pte").is_file():
         raise ValueError(f"{export_dir} has no model.pte")
     return report
@@ -171,8 +176,9 @@ def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
                 "verification": {k: report["verification"].get(k) for k in VERIFICATION_KEYS},
                 "weights": report.get("weights"), "stored_weights": report.get("stored_weights")}
 
-    return Arm(scheme, {"backend": pb.BACKEND[scheme], "scheme": scheme,
-                        "group_size": {"8da4w": 32, "16a4w": -1}.get(scheme),
+    return Arm(scheme, {"backend": pb.BACKEND[scheme], "scheme": pb.SCHEME[scheme],
+                        **pb.ARM_SETTINGS.get(scheme, {}),
+                        "group_size": {"8da4w": 32, "16a4w": -1}.get(pb.SCHEME[scheme]),
                         "source": str(src),
                         "prebuilt": str(prebuilt) if prebuilt else None},
                command, collect, build=None if prebuilt else build_cmd,

@@ -92,6 +92,10 @@ def print_summary(report: dict, out: str) -> None:
               help="Calibration windows of the GPTQ run (8da4w/16a4w without --quantized).")
 @click.option("--gptq-seqlen", type=int, default=512, show_default=True,
               help="Tokens per window of the GPTQ run.")
+@click.option("--gptq-smooth", is_flag=True,
+              help="The GPTQ run folds activation smoothing into the weights first (`cpu-quant "
+                   "gptq --smooth`), and the program takes the folded norms; for 8da4w's int8 "
+                   "activations. An artifact given with --quantized brings its own folds.")
 @click.option("--group-size", type=int, default=32, show_default=True,
               help="8da4w: the group of the GPTQ run made here, 32, 64 or 128 (a linear it "
                    "does not divide takes the largest smaller one that does, else 8-bit "
@@ -104,8 +108,8 @@ def print_summary(report: dict, out: str) -> None:
 @friendly_errors
 def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized: str | None,
                  max_seq_len: int, prefill_len: int, calib: str | None, calib_samples: int,
-                 gptq_samples: int, gptq_seqlen: int, group_size: int, soc: str,
-                 overwrite: bool, quiet: bool, as_json: bool) -> None:
+                 gptq_samples: int, gptq_seqlen: int, gptq_smooth: bool, group_size: int,
+                 soc: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
 
     Nothing is written to OUT unless the program, run by ExecuTorch's runtime on held-out text,
@@ -115,7 +119,8 @@ def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized
     settings = PhoneExportSettings(
         backend=backend, scheme=scheme, max_seq_len=max_seq_len, prefill_len=prefill_len,
         calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc,
-        quantized=quantized, gptq_samples=gptq_samples, gptq_seqlen=gptq_seqlen)
+        quantized=quantized, gptq_samples=gptq_samples, gptq_seqlen=gptq_seqlen,
+        gptq_smooth=gptq_smooth)
     with stdout_for_json(as_json) as emit:
         report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
         print_summary(report, out)

@@ -48,6 +48,7 @@ from .model import (
 )
 from .report import count_ops, float32_bytes, json_safe, provenance, sha256_file
 from .runner import GraphShape, StaticKVRunner
+from ..quantize.smooth_fold import load_factors
 from .smooth import smooth_static_lm
 from .verify import PROMPTS, pte_step_functions, score_heldout, screen, verify
 
@@ -64,7 +65,8 @@ OVERLAP_NGRAM = 24
 # the settings that are command-line options, by their flag; the rest only the Python API sets
 SETTING_NAMES = {"prefill_len": "--prefill-len", "calib_samples": "--calib-samples",
                  "max_seq_len": "--max-seq-len", "group_size": "--group-size",
-                 "gptq_samples": "--gptq-samples", "gptq_seqlen": "--gptq-seqlen"}
+                 "gptq_samples": "--gptq-samples", "gptq_seqlen": "--gptq-seqlen",
+                 "gptq_smooth": "--gptq-smooth"}
 
 
 @dataclass
@@ -81,6 +83,8 @@ class PhoneExportSettings:
     quantized: str | None = None  # a `cpu-quant gptq --positive-scales` artifact (4-bit schemes)
     gptq_samples: int = 128  # the GPTQ run made here when `quantized` is None
     gptq_seqlen: int = 512
+    # the GPTQ run folds activation smoothing into the weights first (gptq --smooth)
+    gptq_smooth: bool = False
     verify_windows: int = 4
     verify_len: int = 128  # capped at max_seq_len
     gen_tokens: int = 16
@@ -102,6 +106,9 @@ class PhoneExportSettings:
         if self.quantized is not None and scheme not in FOUR_BIT_SCHEMES:
             raise CpuQuantError(f"--quantized gives the 4-bit codes of {' and '.join(FOUR_BIT_SCHEMES)}; "
                                 f"--scheme {scheme} does not take them")
+        if self.gptq_smooth and not self.runs_gptq:
+            raise CpuQuantError("--gptq-smooth applies to the GPTQ run of 8da4w and 16a4w "
+                                "without --quantized (an artifact brings its own folds)")
         if self.quantized is not None and not Path(self.quantized).is_dir():
             raise CpuQuantError(f"--quantized {self.quantized}: not a directory")
         if self.group_size not in PHONE_GROUPS:
@@ -129,7 +136,7 @@ class PhoneExportSettings:
         group = -1 if self.resolved_scheme == "16a4w" else self.group_size
         return QuantSettings(method="gptq", group_size=group, positive_scales=True,
                              calib=self.calib, samples=self.gptq_samples,
-                             seqlen=self.gptq_seqlen)
+                             seqlen=self.gptq_seqlen, smooth=self.gptq_smooth)
 
     def shape(self, model: StaticCausalLM) -> GraphShape:
         s = model.spec
@@ -341,14 +348,17 @@ def gptq_command(src: Path, target: Path, settings: PhoneExportSettings, quiet: 
             "--seqlen", str(gptq.seqlen), "--threads", str(torch.get_num_threads()), "--no-eval"]
     if gptq.positive_scales:
         argv.append("--positive-scales")
+    if gptq.smooth:
+        argv.append("--smooth")
     if gptq.calib is not None:
         argv += ["--calib", str(gptq.calib)]
     return argv + (["--quiet"] if quiet else [])
 
 
 def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, progress: bool
-               ) -> tuple[dict, dict]:
-    """The 4-bit results (by static-graph name) and where they came from: ``--quantized``, or a
+               ) -> tuple[dict, dict, dict | None]:
+    """The 4-bit results (by static-graph name), where they came from, and the run's smoothing
+    factors (None unless it folded smoothing, ``gptq --smooth``): ``--quantized``, or a
     ``cpu-quant gptq`` run made here into the staging directory (removed once read).
 
     The run is the command itself, in its own process, with this process's thread count: its
@@ -362,7 +372,7 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
     if settings.quantized is not None:
         results, qcfg = phone_weights.read_group_quants(settings.quantized)
         return results, {"origin": "gptq", "quantized": str(Path(settings.quantized).resolve()),
-                         "quantization_config": qcfg}
+                         "quantization_config": qcfg}, load_factors(settings.quantized)
     target = staged.path(".gptq")
     argv = gptq_command(src, target, settings, quiet=not progress)
     # with progress its bars and its own error line go to this terminal
@@ -374,12 +384,13 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
                             f"{proc.returncode})" + (f": {last[-1]}" if last else ""))
     try:
         results, qcfg = phone_weights.read_group_quants(target)
+        factors = load_factors(target)
     finally:
         shutil.rmtree(target, ignore_errors=True)
     return results, {"origin": "gptq", "quantized": None,
                      "gptq_run": asdict(settings.gptq_settings()),
                      "command": ["cpu-quant", "gptq", "SRC", "OUT", *argv[6:]],
-                     "quantization_config": qcfg}
+                     "quantization_config": qcfg}, factors
 
 
 def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
@@ -396,6 +407,10 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
         for window in calib_windows:
             runner.score(window)
 
+    results, source, factors = (gptq_codes(src, settings, staged, progress)
+                                if scheme in FOUR_BIT_SCHEMES else (None, None, None))
+    if factors is not None:  # codes of the folded weights: the graph takes the folded norms
+        source["smoothing"] = {"folded_tensors": phone_weights.fold_smoothing(model, src, factors)}
     # --calib-samples 0: no statistics, so uniform importance and no smoothing
     stats = phone_weights.activation_stats(model, run_calibration) if calib_windows else {}
     if scheme == "8da8w" and stats:
@@ -407,7 +422,6 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
             weights.source["smoothing_alpha"] = SMOOTHING_ALPHA if stats else None
         return weights
     importance = phone_weights.importance(stats)
-    results, source = gptq_codes(src, settings, staged, progress)
     weights = phone_weights.weights_from_gptq(model, results, importance, source)
     if scheme == "16a4w":
         grouped = [n for n, w in weights.linears.items() if w.bits == 4 and not w.per_channel]

@@ -217,12 +217,18 @@ def read_group_quants(path: str | Path) -> tuple[dict[str, GroupQuant], dict]:
 
 
 def check_same_source(quantized: str | Path, src: str | Path) -> None:
-    """The artifact's float tensors (embedding, norms) must be the source's, bit for bit: codes
-    from another model would otherwise pass every shape check."""
+    """The artifact's float tensors (embedding, norms) must be the source's, bit for bit (of a
+    ``gptq --smooth`` artifact: the source's folded with its factors): codes from another model
+    would otherwise pass every shape check."""
     from ..io.checkpoint import open_checkpoint
+
+    from ..quantize.smooth_fold import load_factors, smoothed_source
 
     art, ref = open_checkpoint(quantized), open_checkpoint(src)
     try:
+        factors = load_factors(quantized)
+        if factors is not None:  # a gptq --smooth artifact: its norms are the source's folded
+            ref = smoothed_source(ref, factors, str(quantized))
         pattern = re.compile(r"(embed_tokens|norm)\.weight$")
         names = [n for n in art.names if pattern.search(n)]
         if not names:
@@ -236,3 +242,34 @@ def check_same_source(quantized: str | Path, src: str | Path) -> None:
     finally:
         art.close()
         ref.close()
+
+
+@torch.no_grad()
+def fold_smoothing(model: nn.Module, src: str | Path, factors: dict[str, torch.Tensor]) -> int:
+    """Put into the static graph ``model`` the tensors a ``gptq --smooth`` run quantized: every
+    tensor its folds change, read from the source through the same folds (the norms in bf16,
+    as the artifact stores them). The float reference is a copy taken before. Returns how many
+    tensors changed."""
+    from ..io.checkpoint import open_checkpoint
+    from ..quantize.smooth_fold import HEAD, smoothed_source
+
+    view = smoothed_source(open_checkpoint(src), factors, "the quantized artifact")
+    changed = 0
+    try:
+        for name, p in model.named_parameters():
+            hf = name if name.startswith("lm_head.") else "model." + name
+            if hf not in view.factors_of:
+                continue
+            if hf == HEAD:
+                tied = "lm_head.weight" not in view.names
+                t = view.head_tensor("model.embed_tokens.weight" if tied else HEAD, HEAD)
+            else:
+                t = view.tensor(hf)
+            if tuple(t.shape) != tuple(p.shape):
+                raise CpuQuantError(f"{hf}: the source's folded tensor has shape "
+                                    f"{list(t.shape)}, the model {list(p.shape)}")
+            p.data = t.to(p.dtype)
+            changed += 1
+    finally:
+        view.close()
+    return changed

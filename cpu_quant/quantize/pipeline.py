@@ -44,6 +44,7 @@ from ..memory import (
     pin_mmap_threshold,
     release_free_heap,
 )
+from . import smooth_fold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
@@ -205,7 +206,10 @@ class LayerQuantizer:
             if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
                 continue
             self.sinks.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
-        head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
+        if isinstance(ckpt, smooth_fold.SmoothedCheckpoint) and head_plan.quantize:
+            head_w = ckpt.head_tensor(stream.head_weight_name(), smooth_fold.HEAD, check_finite=True)
+        else:
+            head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
         hidden_size = head_w.shape[1]
         if head_plan.quantize:
             hess = None
@@ -286,9 +290,27 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")
         check_source(ckpt, settings)
+        if settings.smooth and (why := smooth_fold.refuse(ckpt.config)):
+            ckpt.close()
+            raise CpuQuantError(why)
         stream = LayerStream(ckpt)
         layer_plans, head_plan = plan_model(stream, settings, limits)
         batches = [] if settings.data_free else calibration_batches(src, settings, texts)
+        smoothing = None
+        if settings.smooth:
+            t_smooth = time.perf_counter()
+            groups = {f"{p.name}.weight": p.effective_group
+                      for plans in layer_plans for p in plans.values()}
+            groups[smooth_fold.HEAD] = head_plan.effective_group
+            found = (smooth_fold.plan_smoothing(
+                LayerStream(ckpt), batches[:smooth_fold.STATS_BATCHES], groups.__getitem__,
+                smooth_fold.HEAD if head_plan.quantize else None, progress)
+                if team.writer else None)
+            folds, factors, choices = team.from_writer(found)
+            ckpt = smooth_fold.SmoothedCheckpoint(ckpt, folds, factors)
+            stream = LayerStream(ckpt)
+            smoothing = smooth_fold.summary(choices, batches[:smooth_fold.STATS_BATCHES],
+                                            time.perf_counter() - t_smooth)
         fingerprint = run_fingerprint(ckpt, settings, layout, batches)
     except KeyboardInterrupt:
         kept = "; the interrupted run is kept for --resume" if resume else ""
@@ -298,6 +320,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
                                                   else _env_mmap_threshold())
     report.calibration_tokens = sum(b.numel() for b in batches)
+    report.smoothing = smoothing
     team.agree_on_run(fingerprint)
     team.check_batches(len(batches))
     shard = team.shard(len(batches))  # this rank's batches
@@ -418,7 +441,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             final = _write_artifact(out, stop, sinks, ArtifactInfo(
                 src, ckpt.config, settings.group_size, head_plan.quantize, dynamic,
                 settings.symmetric, _quantization_extra(settings, report.provenance["cpu_quant"]),
-                asdict(report)))
+                asdict(report)), ckpt.factors if settings.smooth else None)
     ckpt.close()
     if team.writer:
         report.provenance["output"] = str(final)
@@ -427,8 +450,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     return report
 
 
-def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: ArtifactInfo
-                    ) -> Path:
+def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: ArtifactInfo,
+                    factors: dict[str, torch.Tensor] | None = None) -> Path:
     """The computed artifact: the resume files removed, every format finished, the staging
     directory renamed into place."""
     stop.defer()  # the artifact is computed: writing it takes seconds, finish it
@@ -436,6 +459,9 @@ def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: 
     out.path(STATE_FILE).unlink(missing_ok=True)
     remove_hidden_files(out)
     shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
+    if factors is not None:  # beside every format's weights (verify --source, export-phone)
+        for directory in sinks.directories.values():
+            smooth_fold.save_factors(directory / smooth_fold.FACTORS_FILE, factors)
     sinks.finish(info)
     kill_point("commit")
     return out.commit()

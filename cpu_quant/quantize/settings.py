@@ -32,6 +32,8 @@ class QuantSettings:
     positive_scales: bool = False
     # GPTQ's Hessians from the int8-per-token activations vLLM's W4A8 kernel multiplies
     w4a8_hessians: bool = False
+    # activation smoothing folded into the weights before GPTQ (smooth_fold.py)
+    smooth: bool = False
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +42,8 @@ class QuantSettings:
             raise CpuQuantError("GPTQ needs calibration data; use --method rtn for data-free")
         if self.w4a8_hessians and self.method != "gptq":
             raise CpuQuantError("--w4a8-hessians applies to --method gptq only")
+        if self.smooth and self.data_free:
+            raise CpuQuantError("--smooth needs calibration data (it measures the activations)")
         if self.positive_scales and not self.symmetric:
             raise CpuQuantError("--positive-scales applies to the symmetric grid only")
         if not 0 < self.damp <= 1:
@@ -84,5 +88,7 @@ class QuantReport:
     fidelity: dict | None = None
     # a distributed run: world size, and each rank's batches, time, collectives and bytes moved
     distributed: dict | None = None
+    # --smooth: the folds, the strength chosen for each, and the statistics pass's time
+    smoothing: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)

@@ -33,6 +33,7 @@ from ..errors import CpuQuantError
 from ..formats import format_for_quant_method, format_owning
 from ..io.checkpoint import Checkpoint, check_float_weights, open_checkpoint
 from ..quantize.plan import HEAD_NAME
+from ..quantize.smooth_fold import HEAD, SmoothedCheckpoint, load_factors, smoothed_source
 from .findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
 from .findings import Finding, error
 
@@ -136,12 +137,18 @@ def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Find
     results: list[ModuleSnr] = []
     findings: list[Finding] = []
     try:
+        factors = load_factors(root)
+        if factors is not None:  # a --smooth run quantized the source folded with these
+            src = smoothed_source(src, factors, str(root))
         for module, w_hat in _artifact_modules(Path(root)):
             name = _source_name(src, module)
             if name is None:
                 findings.append(error("source", module, f"the source {source} has no weight for it"))
                 continue
-            w = _source_weight(src, name)
+            if module == HEAD_NAME and isinstance(src, SmoothedCheckpoint) and HEAD in src.factors_of:
+                w = src.head_tensor(name, HEAD).float()
+            else:
+                w = _source_weight(src, name)
             if tuple(w_hat.shape) != tuple(w.shape):
                 why = ("it is transposed" if tuple(w_hat.shape) == tuple(w.shape[::-1])
                        else f"the source's is {list(w.shape)}")

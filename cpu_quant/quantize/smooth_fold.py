@@ -1,0 +1,375 @@
+"""Activation smoothing folded into the checkpoint that GPTQ quantizes (``gptq --smooth``).
+
+vLLM's W4A8 kernel (``int4_scaled_mm_cpu``) and ExecuTorch's 8da4w programs quantize every
+activation to int8 per token at run time, so a few input channels of large magnitude set every
+token's step. A linear computes the same output from ``x / s`` and ``W · diag(s)``
+(``quantize.smoothing``); the division is folded into what produces ``x``, so the checkpoint
+stays a plain Llama-like checkpoint that stock vLLM loads. On a Llama-like decoder layer:
+
+* ``q/k/v_proj`` read ``input_layernorm``'s output: the norm's weight is divided;
+* ``o_proj`` reads the attention output, a mix of ``v_proj``'s rows: those rows (and their
+  bias) are divided; with grouped-query attention one ``v`` row feeds ``n_heads / n_kv_heads``
+  ``o_proj`` inputs, which share its factor;
+* ``gate/up_proj`` read ``post_attention_layernorm``'s output: its weight is divided;
+* ``down_proj`` reads ``silu(gate) · up``: ``up_proj``'s rows are divided;
+* the quantized head reads the final norm's output: that norm's weight is divided (the head is
+  untied in the artifact, so the embedding is not touched).
+
+The strength is chosen per fold from calibration: before GPTQ, one float forward over the first
+:data:`STATS_BATCHES` calibration batches records each fold's per-channel ``max|x|`` and a
+sample of :data:`SAMPLE_TOKENS` tokens; for each candidate ``α`` (:data:`ALPHAS`, and no
+smoothing at all) the reading linears' output is computed with the int8-per-token activations
+and round-to-nearest 4-bit weights of the configured group (the W4A8 kernel's arithmetic), and
+the ``α`` with the least relative squared error against the float output is kept. GPTQ then
+runs on the folded weights as on any checkpoint. The folded norms are stored in bf16, like every
+norm of the artifact; the factors are written beside the weights (:data:`FACTORS_FILE`) so that
+``verify --source`` and ``export-phone`` can fold the source the same way.
+
+Gemma's norms (``1 + w``, and norms after the attention and the MLP) and Phi-3's fused
+projections are refused, as is any model whose modules are not the Llama names above.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CpuQuantError
+from .grid import QZERO, grouped
+from .smoothing import smoothing_scales
+
+# safetensors bytes under a name that no loader globs for weights (vLLM reads *.safetensors)
+FACTORS_FILE = "smoothing.factors"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7)
+STATS_BATCHES = 4  # calibration batches of the statistics pass (32 windows at batch 8)
+SAMPLE_TOKENS = 1024  # tokens per fold for the choice of alpha
+HEAD_SAMPLE_TOKENS = 256  # the head is vocab-wide: fewer tokens for its choice
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Divide ``divide`` (a norm weight [K], or a linear's rows [K, ·] with ``bias``) by ``s``
+    and multiply the columns of every ``scale`` weight [N, K'] by ``s`` (``K' = K · rep`` when a
+    ``v_proj`` row feeds ``rep`` query heads of ``head_dim`` channels each)."""
+
+    divide: str
+    scale: tuple[str, ...]
+    bias: str | None = None
+    rep: int = 1
+    head_dim: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.divide
+
+    def expand(self, s: torch.Tensor) -> torch.Tensor:
+        """The factor of the scaled weights' columns (``v`` row factors repeated per head)."""
+        if self.rep == 1:
+            return s
+        kv = s.numel() // self.head_dim
+        return s.view(kv, 1, self.head_dim).expand(kv, self.rep, self.head_dim).reshape(-1)
+
+
+def model_type(config: dict) -> str:
+    return str(config.get("text_config", {}).get("model_type") or config.get("model_type") or "?")
+
+
+def refuse(config: dict) -> str | None:
+    """Why ``--smooth`` cannot fold into this model, or None."""
+    mt = model_type(config)
+    if mt in SUPPORTED:
+        return None
+    why = {"gemma": "its norms multiply by 1 + w and sit after the attention and the MLP too",
+           "phi3": "its q/k/v and gate/up projections are fused"}
+    reason = next((v for k, v in why.items() if mt.startswith(k)),
+                  "only Llama-like layers are folded")
+    return f"--smooth cannot fold into a {mt} model: {reason} (folded: {', '.join(SUPPORTED)})"
+
+
+def layer_folds(prefix: str, n_heads: int, n_kv_heads: int, head_dim: int,
+                names: set[str]) -> list[Fold]:
+    """The four folds of one decoder layer whose parameters start with ``prefix``."""
+    p = prefix
+    attn, mlp = p + "self_attn.", p + "mlp."
+    v_bias = attn + "v_proj.bias"
+    up_bias = mlp + "up_proj.bias"
+    return [
+        Fold(p + "input_layernorm.weight",
+             tuple(attn + f"{n}_proj.weight" for n in "qkv")),
+        Fold(attn + "v_proj.weight", (attn + "o_proj.weight",),
+             bias=v_bias if v_bias in names else None, rep=n_heads // n_kv_heads,
+             head_dim=head_dim),
+        Fold(p + "post_attention_layernorm.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight")),
+        Fold(mlp + "up_proj.weight", (mlp + "down_proj.weight",),
+             bias=up_bias if up_bias in names else None),
+    ]
+
+
+def all_folds(config: dict, layers_prefix: str, n_layers: int, names: set[str],
+              head: str | None, final_norm: str | None) -> list[Fold]:
+    """Every fold of the model; the head's when ``head`` (its weight's name in the artifact)
+    and ``final_norm`` are given."""
+    cfg = config.get("text_config") or config
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads)
+    folds = [f for i in range(n_layers)
+             for f in layer_folds(f"{layers_prefix}.{i}.", n_heads, n_kv, head_dim, names)]
+    if head and final_norm:
+        folds.append(Fold(final_norm, (head,)))
+    missing = sorted({n for f in folds for n in (f.divide, *f.scale)} - names - {head})
+    if missing:
+        raise CpuQuantError(f"--smooth: the checkpoint has no {missing[0]} (folded: the Llama "
+                            "module names)")
+    return folds
+
+
+def fold_tensor(name: str, t: torch.Tensor, folds: list[Fold], factors: dict[str, torch.Tensor]
+                ) -> torch.Tensor:
+    """``t`` (the tensor ``name``) with every fold that touches it applied, in ``t``'s dtype;
+    the arithmetic in float64 for float64 input and in float32 otherwise."""
+    work = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    for f in folds:
+        s = factors[f.key].to(work.dtype)
+        if name == f.divide:
+            work = work / (s if work.dim() == 1 else s.unsqueeze(1))
+        elif name == f.bias:
+            work = work / s
+        elif name in f.scale:
+            work = work * f.expand(s).unsqueeze(0)
+    return work.to(t.dtype)
+
+
+def touched(folds: list[Fold]) -> set[str]:
+    return {n for f in folds for n in (f.divide, *f.scale, f.bias) if n}
+
+
+class SmoothedCheckpoint:
+    """A checkpoint whose tensors read with the folds applied (everything else delegated)."""
+
+    def __init__(self, ckpt, folds: list[Fold], factors: dict[str, torch.Tensor]) -> None:
+        self._ckpt, self.folds, self.factors = ckpt, folds, factors
+        self._touched = touched(folds)
+        self.factors_of = self._touched  # the tensor names the folds change
+
+    def __getattr__(self, attr):
+        return getattr(self._ckpt, attr)
+
+    def tensor(self, name: str, check_finite: bool = False) -> torch.Tensor:
+        t = self._ckpt.tensor(name, check_finite=check_finite)
+        return fold_tensor(name, t, self.folds, self.factors) if name in self._touched else t
+
+    def head_tensor(self, name: str, head_key: str, check_finite: bool = False) -> torch.Tensor:
+        """The head's weight with its fold (``name`` may be the tied embedding's, which itself
+        is read unfolded)."""
+        t = self._ckpt.tensor(name, check_finite=check_finite)
+        return fold_tensor(head_key, t, self.folds, self.factors)
+
+
+# -- choosing the factors ------------------------------------------------------------------------
+
+def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
+    return torch.round(x / scale).clamp_(-127, 127) * scale
+
+
+def _rtn4(w: torch.Tensor, group: int) -> torch.Tensor:
+    g = group if 0 < group <= w.shape[1] and w.shape[1] % group == 0 else w.shape[1]
+    wg = grouped(w, g)
+    scale = wg.abs().amax(-1, keepdim=True).clamp_min(1e-30) / (QZERO - 0.5)
+    return (torch.round(wg / scale).clamp_(-QZERO, QZERO - 1) * scale).reshape(w.shape)
+
+
+def w4a8_error(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tensor | None,
+               groups: list[int]) -> float:
+    """Relative squared error of ``x Wᵀ`` (every W) when ``x / s`` is int8 per token and
+    ``W · diag(s)`` is 4-bit round-to-nearest in groups of ``groups`` (one per W, as the run's
+    plan gives them)."""
+    xs = x if s_cols is None else x / s_cols
+    xq = _int8_per_token(xs)
+    num = den = 0.0
+    for w, group in zip(weights, groups, strict=True):
+        ws = w if s_cols is None else w * s_cols
+        y = x @ w.T
+        num += float((xq @ _rtn4(ws, group).T - y).pow(2).sum())
+        den += float(y.pow(2).sum())
+    return num / max(den, 1e-30)
+
+
+@dataclass
+class Choice:
+    alpha: float | None  # None: no smoothing (s = 1)
+    error: float
+    error_unsmoothed: float
+
+
+def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list[torch.Tensor],
+           groups: list[int]) -> tuple[torch.Tensor, Choice]:
+    """The factor ``s`` of ``fold`` (per divided channel) with the least W4A8 error on
+    ``sample``; ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels)."""
+    w32 = [w.float() for w in weights]
+    x = sample.float()
+    if fold.rep > 1:  # a v row's factor: over its rep heads' channels
+        kv = absmax.numel() // (fold.rep * fold.head_dim)
+        a = absmax.float().view(kv, fold.rep, fold.head_dim).amax(1).reshape(-1)
+        cols = [w.view(w.shape[0], kv, fold.rep, fold.head_dim).permute(0, 2, 1, 3)
+                .reshape(w.shape[0] * fold.rep, kv * fold.head_dim) for w in w32]
+    else:
+        a, cols = absmax.float(), w32
+    base = w4a8_error(x, w32, None, groups)
+    best_s, best = torch.ones_like(a), Choice(None, base, base)
+    for alpha in ALPHAS:
+        s = smoothing_scales(a, cols, alpha)
+        err = w4a8_error(x, w32, fold.expand(s), groups)
+        if err < best.error:
+            best_s, best = s, Choice(alpha, err, base)
+    return best_s, best
+
+
+class FoldStats:
+    """Forward pre-hooks on the reading linears: running per-channel ``max|x|`` and the first
+    :data:`SAMPLE_TOKENS` tokens spread over the batches seen."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], batches: int) -> None:
+        self.absmax: dict[str, torch.Tensor] = {}
+        self.samples: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+        self.per_batch = max(1, SAMPLE_TOKENS // max(batches, 1))
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str) -> Callable:
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            m = x.abs().amax(0)
+            self.absmax[name] = m if name not in self.absmax else torch.maximum(self.absmax[name], m)
+            step = max(1, x.shape[0] // self.per_batch)
+            self.samples[name].append(x[::step][: self.per_batch].clone())
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def sample(self, name: str) -> torch.Tensor:
+        return torch.cat(self.samples[name])[:SAMPLE_TOKENS]
+
+
+def _reader(fold: Fold) -> str:
+    """The module (linear) whose input a fold smooths: its first scaled weight's module."""
+    return fold.scale[0].removesuffix(".weight")
+
+
+@torch.no_grad()
+def plan_smoothing(stream, batches: list[torch.Tensor], group_of: Callable[[str], int],
+                   head: str | None, progress: bool = False) -> tuple[list[Fold], dict, dict]:
+    """One float forward of ``stream`` (a fresh :class:`~.streaming.LayerStream`) over
+    ``batches``; every fold with its chosen factor. ``group_of``: the effective group of a
+    linear (its weight's name) in the run's plan. Returns (folds, factors, choices)."""
+    from tqdm import tqdm
+
+    ckpt = stream.ckpt
+    names = set(ckpt.names)
+    norm = stream.final_norm()
+    norm_name = next(n for n, m in stream.model.named_modules() if m is norm) + ".weight"
+    folds = all_folds(ckpt.config, stream.layers_prefix, stream.n_layers, names, head,
+                      norm_name if head else None)
+    by_layer: dict[int, list[Fold]] = {}
+    pat = re.compile(re.escape(stream.layers_prefix) + r"\.(\d+)\.")
+    for f in folds:
+        m = pat.match(f.divide)
+        by_layer.setdefault(int(m.group(1)) if m else -1, []).append(f)
+    factors: dict[str, torch.Tensor] = {}
+    choices: dict[str, dict] = {}
+    hidden = stream.capture(batches)
+    for i in tqdm(range(stream.n_layers), desc="smoothing", unit="layer", disable=not progress):
+        layer = stream.load_layer(i)
+        modules = dict(layer.named_modules())
+        prefix = f"{stream.layers_prefix}.{i}."
+        readers = {_reader(f): modules[_reader(f).removeprefix(prefix)] for f in by_layer[i]}
+        stats = FoldStats(readers, len(hidden))
+        try:
+            hidden = list(stream.forward_layer(i, hidden))
+        finally:
+            stats.close()
+        for f in by_layer[i]:
+            r = _reader(f)
+            weights = [modules[n.removeprefix(prefix).removesuffix(".weight")].weight
+                       for n in f.scale]
+            s, c = choose(f, stats.absmax[r], stats.sample(r), weights,
+                          [group_of(n) for n in f.scale])
+            factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
+                                                 "w4a8_error_unsmoothed": c.error_unsmoothed}
+        stream.unload_layer(i)
+    for f in by_layer.get(-1, []):  # the head: the final norm's output
+        stats_abs, samples = None, []
+        for h in hidden:
+            x = norm(h.to(stream.compute)).reshape(-1, h.shape[-1]).float()
+            m = x.abs().amax(0)
+            stats_abs = m if stats_abs is None else torch.maximum(stats_abs, m)
+            per = max(1, HEAD_SAMPLE_TOKENS // len(hidden))
+            samples.append(x[::max(1, x.shape[0] // per)][:per])
+        head_w = ckpt.tensor(stream.head_weight_name())
+        s, c = choose(f, stats_abs, torch.cat(samples), [head_w], [group_of(HEAD)])
+        factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
+                                             "w4a8_error_unsmoothed": c.error_unsmoothed}
+    return folds, factors, choices
+
+
+def save_factors(path: Path, factors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save
+
+    path.write_bytes(save({k: v.float().contiguous() for k, v in factors.items()}))
+
+
+def load_factors(root: str | Path) -> dict[str, torch.Tensor] | None:
+    path = Path(root) / FACTORS_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load
+
+    return load(path.read_bytes())
+
+
+def summary(choices: dict[str, dict], batches: list[torch.Tensor], seconds: float) -> dict:
+    """What the report records of a smoothed run: per fold, the strength and the W4A8 error
+    with and without it; how many folds took each strength; the statistics pass."""
+    counts: dict[str, int] = {}
+    for c in choices.values():
+        key = "off" if c["alpha"] is None else str(c["alpha"])
+        counts[key] = counts.get(key, 0) + 1
+    return {"factors_file": FACTORS_FILE, "stats_tokens": sum(b.numel() for b in batches),
+            "sample_tokens": SAMPLE_TOKENS, "alphas_tried": list(ALPHAS), "alpha_counts": counts,
+            "seconds": round(seconds, 3),
+            "folds": {k: {"alpha": c["alpha"], "w4a8_error": round(c["w4a8_error"], 6),
+                          "w4a8_error_unsmoothed": round(c["w4a8_error_unsmoothed"], 6)}
+                      for k, c in choices.items()}}
+
+
+def smoothed_source(ckpt, factors: dict[str, torch.Tensor], what: str) -> SmoothedCheckpoint:
+    """The source ``ckpt`` read through the folds of an artifact's ``factors`` (``what`` names
+    the artifact in the error): the weights the artifact's GPTQ run quantized."""
+    names = set(ckpt.names)
+    found = [re.match(r"^(.*)\.(\d+)\.input_layernorm\.weight$", n) for n in factors]
+    prefixes = {m.group(1) for m in found if m}
+    layer_keys = {k for k in factors if any(k.startswith(p + ".") for p in prefixes)}
+    head_keys = set(factors) - layer_keys
+    cfg = ckpt.config.get("text_config") or ckpt.config
+    if len(prefixes) != 1 or len(head_keys) > 1:
+        raise CpuQuantError(f"{what}: {FACTORS_FILE} does not hold a model's smoothing factors")
+    [prefix] = prefixes
+    norm = next(iter(head_keys), None)
+    folds = all_folds(ckpt.config, prefix, int(cfg["num_hidden_layers"]), names,
+                      HEAD if norm else None, norm)
+    if {f.key for f in folds} != set(factors):
+        raise CpuQuantError(f"{what}: its {FACTORS_FILE} does not fit the source (other layers "
+                            "or another model)")
+    for f in folds:
+        if tuple(factors[f.key].shape) != (ckpt.shape(f.divide)[0],):
+            raise CpuQuantError(f"{what}: its {FACTORS_FILE} does not fit the source "
+                                f"({f.key} has {factors[f.key].numel()} factors)")
+    return SmoothedCheckpoint(ckpt, folds, factors)

@@ -1,0 +1,162 @@
+"""Activation smoothing folded into the checkpoint (``gptq --smooth``), on tiny random models.
+
+The slow reference is the model itself in float64: folded with any positive factors, it must
+compute the unfolded model's logits to 1e-5 relative."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpu_quant.errors import CpuQuantError
+from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.quantize import smooth_fold
+from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
+from cpu_quant.quantize.smooth_fold import (
+    FACTORS_FILE,
+    SmoothedCheckpoint,
+    all_folds,
+    fold_tensor,
+    load_factors,
+    refuse,
+    w4a8_error,
+)
+
+from .conftest import make_tiny_model
+
+FOLDED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=FOLDED_ARCHS)
+def tiny(request, demo_src, tmp_path_factory) -> tuple[str, Path]:
+    arch = request.param
+    return arch, make_tiny_model(arch, tmp_path_factory.mktemp(arch) / "src", demo_src)
+
+
+def _float64_model(path: Path, state: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    if state is not None:
+        cfg.tie_word_embeddings = False
+        if hasattr(cfg, "text_config"):
+            cfg.text_config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).eval()
+    ckpt = open_checkpoint(path)
+    tensors = {n: ckpt.tensor(n).to(torch.float64) for n in ckpt.names}
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if state is not None:
+        tensors.update(state)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not [m for m in missing if "rotary" not in m] and not unexpected
+    return model
+
+
+def _folds(path: Path) -> list:
+    ckpt = open_checkpoint(path)
+    cfg = json.loads((path / "config.json").read_text())
+    names = set(ckpt.names)
+    return all_folds(cfg, "model.layers", int(cfg["num_hidden_layers"]), names,
+                     smooth_fold.HEAD, "model.norm.weight")
+
+
+@torch.no_grad()
+def test_folded_model_computes_the_same_logits_in_float64(tiny):
+    """Every fold at once (norms, v rows with grouped-query heads, up rows, the head), random
+    factors over three orders of magnitude: the same logits to 1e-5 relative."""
+    arch, path = tiny
+    folds = _folds(path)
+    assert len(folds) == 4 * 2 + 1
+    gen = torch.Generator().manual_seed(1)
+    ckpt = open_checkpoint(path)
+    factors = {}
+    for f in folds:
+        t = ckpt.tensor(f.divide)
+        factors[f.key] = torch.exp(torch.empty(t.shape[0], dtype=torch.float64).uniform_(
+            -3.5, 3.5, generator=gen))
+    base = _float64_model(path)
+    state = {n: fold_tensor(n, p.detach(), folds, factors)
+             for n, p in base.state_dict().items() if n in smooth_fold.touched(folds)}
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" not in state
+    folded = _float64_model(path, state)
+    ids = torch.randint(0, 49152, (2, 24), generator=gen)
+    want = base(input_ids=ids).logits
+    got = folded(input_ids=ids).logits
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 1e-5, (arch, rel)
+    # and the folds did something: the weights moved by far more than that
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert float((state[q] - base.state_dict()[q]).norm() / base.state_dict()[q].norm()) > 0.5
+
+
+def test_gqa_factor_is_shared_by_the_heads_that_read_one_v_row(tiny):
+    arch, path = tiny
+    fold = next(f for f in _folds(path) if f.divide.endswith("v_proj.weight"))
+    s = torch.arange(1.0, 1 + open_checkpoint(path).shape(fold.divide)[0])
+    cols = fold.expand(s)
+    assert cols.numel() == s.numel() * fold.rep
+    d = fold.head_dim
+    for h in range(cols.numel() // d):
+        kv = h // fold.rep
+        assert torch.equal(cols[h * d:(h + 1) * d], s[kv * d:(kv + 1) * d])
+
+
+def test_the_search_never_does_worse_than_no_smoothing():
+    """An input with outlier channels: the chosen factors cut the emulated W4A8 error; an
+    input without any: no smoothing may win, and then s = 1 exactly."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    x = torch.randn(512, 64, generator=gen)
+    x[:, 3] *= 60
+    x[:, 40] *= 25
+    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    s, choice = smooth_fold.choose(fold, x.abs().amax(0), x, [w], [32])
+    assert choice.alpha is not None and choice.error < 0.5 * choice.error_unsmoothed
+    assert abs(w4a8_error(x, [w], s, [32]) - choice.error) < 1e-9
+    flat = torch.randn(512, 64, generator=gen)
+    s2, c2 = smooth_fold.choose(fold, flat.abs().amax(0), flat, [w], [32])
+    assert c2.error <= c2.error_unsmoothed
+    if c2.alpha is None:
+        assert torch.equal(s2, torch.ones(64))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_unfoldable_architectures_are_refused_before_any_work(arch, demo_src, tmp_path):
+    src = make_tiny_model(arch, tmp_path / "src", demo_src)
+    cfg = json.loads((src / "config.json").read_text())
+    assert refuse(cfg) and "--smooth cannot fold" in refuse(cfg)
+    settings = QuantSettings(smooth=True, samples=2, seqlen=16, batch_size=2)
+    with pytest.raises(CpuQuantError, match="--smooth cannot fold"):
+        quantize_checkpoint(src, tmp_path / "out", settings, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_source(
+        tiny_llama, tmp_path):
+    """A smoothed GPTQ run of a tiny Llama: its factors file, its report, its norms equal to
+    the source's folded with those factors (bf16), and its embedding untouched."""
+    dst = tmp_path / "out"
+    settings = QuantSettings(smooth=True, samples=8, seqlen=32, batch_size=2, group_size=32)
+    report = quantize_checkpoint(tiny_llama, dst, settings, progress=False)
+    factors = load_factors(dst)
+    assert factors is not None and (dst / FACTORS_FILE).is_file()
+    assert report.smoothing["stats_tokens"] == 4 * 2 * 32
+    assert set(report.smoothing["folds"]) == set(factors)
+    src, art = open_checkpoint(tiny_llama), open_checkpoint(dst)
+    folds = _folds(tiny_llama)
+    view = SmoothedCheckpoint(src, folds, factors)
+    for name in ("model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+                 "model.norm.weight", "model.embed_tokens.weight"):
+        assert torch.equal(art.tensor(name), view.tensor(name).to(torch.bfloat16)), name
+    assert torch.equal(art.tensor("model.embed_tokens.weight"), src.tensor("model.embed_tokens.weight"))
+    # the factors file is not read as weights: no loader's *.safetensors glob matches it
+    assert not FACTORS_FILE.endswith(".safetensors")
+
+
+def test_smooth_without_calibration_is_refused():
+    with pytest.raises(CpuQuantError, match="--smooth needs calibration"):
+        QuantSettings(method="rtn", calib="none", smooth=True).validate()
