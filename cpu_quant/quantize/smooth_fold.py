@@ -187,16 +187,16 @@ def _rtn4(w: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def w4a8_error(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tensor | None,
-               groups: list[int]) -> float:
+               groups: list[int], outputs: list[torch.Tensor] | None = None) -> float:
     """Relative squared error of ``x Wᵀ`` (every W) when ``x / s`` is int8 per token and
     ``W · diag(s)`` is 4-bit round-to-nearest in groups of ``groups`` (one per W, as the run's
-    plan gives them)."""
+    plan gives them); ``outputs``: the float ``x Wᵀ``, when already computed."""
     xs = x if s_cols is None else x / s_cols
     xq = _int8_per_token(xs)
     num = den = 0.0
-    for w, group in zip(weights, groups, strict=True):
+    ys = outputs or [x @ w.T for w in weights]
+    for w, group, y in zip(weights, groups, ys, strict=True):
         ws = w if s_cols is None else w * s_cols
-        y = x @ w.T
         num += float((xq @ _rtn4(ws, group).T - y).pow(2).sum())
         den += float(y.pow(2).sum())
     return num / max(den, 1e-30)
@@ -222,11 +222,12 @@ def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list
                 .reshape(w.shape[0] * fold.rep, kv * fold.head_dim) for w in w32]
     else:
         a, cols = absmax.float(), w32
-    base = w4a8_error(x, w32, None, groups)
+    ys = [x @ w.T for w in w32]
+    base = w4a8_error(x, w32, None, groups, ys)
     best_s, best = torch.ones_like(a), Choice(None, base, base)
     for alpha in ALPHAS:
         s = smoothing_scales(a, cols, alpha)
-        err = w4a8_error(x, w32, fold.expand(s), groups)
+        err = w4a8_error(x, w32, fold.expand(s), groups, ys)
         if err < best.error:
             best_s, best = s, Choice(alpha, err, base)
     return best_s, best
