@@ -144,7 +144,7 @@ def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_so
     report = quantize_checkpoint(tiny_llama, dst, settings, progress=False)
     factors = load_factors(dst)
     assert factors is not None and (dst / FACTORS_FILE).is_file()
-    assert report.smoothing["stats_tokens"] == 4 * 2 * 32
+    assert report.smoothing["stats_tokens"] == smooth_fold.STATS_BATCHES * 2 * 32
     assert set(report.smoothing["folds"]) == set(factors)
     src, art = open_checkpoint(tiny_llama), open_checkpoint(dst)
     folds = _folds(tiny_llama)

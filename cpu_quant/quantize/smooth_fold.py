@@ -45,8 +45,8 @@ from .smoothing import smoothing_scales
 # safetensors bytes under a name that no loader globs for weights (vLLM reads *.safetensors)
 FACTORS_FILE = "smoothing.factors"
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7)
-STATS_BATCHES = 4  # calibration batches of the statistics pass (32 windows at batch 8)
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+STATS_BATCHES = 2  # calibration batches of the statistics pass (16 windows at batch 8)
 SAMPLE_TOKENS = 1024  # tokens per fold for the choice of alpha
 HEAD_SAMPLE_TOKENS = 256  # the head is vocab-wide: fewer tokens for its choice
 HEAD = "lm_head.weight"
