@@ -160,3 +160,20 @@ def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_so
 def test_smooth_without_calibration_is_refused():
     with pytest.raises(CpuQuantError, match="--smooth needs calibration"):
         QuantSettings(method="rtn", calib="none", smooth=True).validate()
+
+
+@pytest.mark.parametrize("content", [b"not safetensors", "zero", "nan"])
+def test_a_broken_factors_file_is_one_line(content, tmp_path):
+    """verify --source and export-phone read the factors file: a truncated or foreign one, or
+    factors that are not finite and positive, are refused in one line naming the file."""
+    from cpu_quant.quantize.smooth_fold import save_factors
+
+    path = tmp_path / FACTORS_FILE
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        v = torch.ones(8)
+        v[3] = 0.0 if content == "zero" else float("nan")
+        save_factors(path, {"model.norm.weight": v})
+    with pytest.raises(CpuQuantError, match="smoothing.factors"):
+        load_factors(tmp_path)

@@ -333,7 +333,16 @@ def load_factors(root: str | Path) -> dict[str, torch.Tensor] | None:
         return None
     from safetensors.torch import load
 
-    return load(path.read_bytes())
+    try:
+        factors = load(path.read_bytes())
+    except Exception as exc:  # a truncated or foreign file: safetensors' own error types
+        raise CpuQuantError(f"{path}: not a smoothing factors file ({str(exc)[:120]})") from None
+    bad = [k for k, v in factors.items() if v.dim() != 1 or not bool(torch.isfinite(v).all())
+           or not bool((v > 0).all())]
+    if bad:
+        raise CpuQuantError(f"{path}: the factors of {bad[0]} are not a vector of finite "
+                            "positive numbers")
+    return factors
 
 
 def summary(choices: dict[str, dict], batches: list[torch.Tensor], seconds: float) -> dict:
