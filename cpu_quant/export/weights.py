@@ -258,7 +258,7 @@ def fold_smoothing(model: nn.Module, src: str | Path, factors: dict[str, torch.T
     try:
         for name, p in model.named_parameters():
             hf = name if name.startswith("lm_head.") else "model." + name
-            if hf not in view.factors_of:
+            if hf not in view.changed:
                 continue
             if hf == HEAD:
                 tied = "lm_head.weight" not in view.names

@@ -155,15 +155,14 @@ class SmoothedCheckpoint:
 
     def __init__(self, ckpt, folds: list[Fold], factors: dict[str, torch.Tensor]) -> None:
         self._ckpt, self.folds, self.factors = ckpt, folds, factors
-        self._touched = touched(folds)
-        self.factors_of = self._touched  # the tensor names the folds change
+        self.changed = touched(folds)  # the tensor names the folds change
 
     def __getattr__(self, attr):
         return getattr(self._ckpt, attr)
 
     def tensor(self, name: str, check_finite: bool = False) -> torch.Tensor:
         t = self._ckpt.tensor(name, check_finite=check_finite)
-        return fold_tensor(name, t, self.folds, self.factors) if name in self._touched else t
+        return fold_tensor(name, t, self.folds, self.factors) if name in self.changed else t
 
     def head_tensor(self, name: str, head_key: str, check_finite: bool = False) -> torch.Tensor:
         """The head's weight with its fold (``name`` may be the tied embedding's, which itself

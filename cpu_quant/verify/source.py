@@ -145,7 +145,7 @@ def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Find
             if name is None:
                 findings.append(error("source", module, f"the source {source} has no weight for it"))
                 continue
-            if module == HEAD_NAME and isinstance(src, SmoothedCheckpoint) and HEAD in src.factors_of:
+            if module == HEAD_NAME and isinstance(src, SmoothedCheckpoint) and HEAD in src.changed:
                 w = src.head_tensor(name, HEAD).float()
             else:
                 w = _source_weight(src, name)
