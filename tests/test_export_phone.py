@@ -40,9 +40,11 @@ from .conftest import SMALL_CALIB, build_once, make_tiny_model, run_cli  # noqa:
 
 SMALL = dict(max_seq_len=48, prefill_len=16, calib_len=48, calib_decode_tokens=4,
              verify_windows=2, verify_len=48, gen_tokens=8, gptq_samples=8, gptq_seqlen=64)
-# the GPTQ run the tiny 8da4w export makes, as a `cpu-quant gptq` command
-TINY_GPTQ = ["--group", "32", "--positive-scales", "--samples", "8", "--seqlen", "64",
-             "--no-eval"]
+# the GPTQ run of the tiny 16a4w export (with --group -1), as `cpu-quant gptq` flags
+TINY_GPTQ_PLAIN = ["--group", "32", "--positive-scales", "--samples", "8", "--seqlen", "64",
+                   "--no-eval"]
+# the tiny 8da4w export's: smoothing folded into the weights first, 8da4w's default
+TINY_GPTQ = [*TINY_GPTQ_PLAIN, "--smooth"]
 SMALL_CLI = ["--max-seq-len", "48", "--prefill-len", "16", "--quiet"]
 # a program with the decode method alone: half the lowering, for the tests of refused programs
 SINGLE_METHOD_CLI = ["--max-seq-len", "48", "--prefill-len", "1", "--quiet"]
@@ -170,6 +172,23 @@ def test_the_exports_gptq_run_is_the_command_with_the_tests_settings() -> None:
     threads = flags.index("--threads")
     assert flags[threads + 1] == str(torch.get_num_threads())
     assert sorted(flags[:threads] + flags[threads + 2:]) == sorted(TINY_GPTQ + ["--quiet"])
+
+
+def test_the_exports_gptq_run_smooths_for_8da4w_by_default() -> None:
+    """8da4w's int8 activations: its GPTQ run folds smoothing unless told not to; 16a4w's
+    16-bit activations: not unless asked; no GPTQ run (8da8w, --quantized): never."""
+    def smooths(**kw) -> bool:
+        settings = PhoneExportSettings(backend=kw.pop("backend", "xnnpack"), **kw)
+        settings.validate()
+        if settings.runs_gptq:  # what the GPTQ run is told
+            assert settings.gptq_settings().smooth == settings.smooths
+        return settings.smooths
+
+    assert smooths(scheme="8da4w")
+    assert not smooths(scheme="8da4w", gptq_smooth=False)
+    assert not smooths(backend="qnn", scheme="16a4w")
+    assert smooths(backend="qnn", scheme="16a4w", gptq_smooth=True)
+    assert not smooths(scheme="8da8w") and not smooths(scheme="8da8w", gptq_smooth=False)
 
 
 def test_codes_the_phone_cannot_hold_are_refused() -> None:
@@ -461,6 +480,9 @@ def test_8da4w_program_holds_the_gptq_sinks_codes(xnnpack_8da4w, tiny_gptq: Path
     assert report["weights"]["notes"] == []
     gptq_run = report["weights"]["source"]["gptq_run"]
     assert gptq_run["positive_scales"] and gptq_run["group_size"] == 32
+    # smoothing folded (the 8da4w default): the program took the folded norms
+    assert gptq_run["smooth"] and report["settings"]["gptq_smooth"]
+    assert report["weights"]["source"]["smoothing"]["folded_tensors"] > 0
     command = report["weights"]["source"]["command"]  # the cpu-quant gptq command it ran
     assert command[:4] == ["cpu-quant", "gptq", "SRC", "OUT"]
     threads = command.index("--threads")
@@ -506,7 +528,7 @@ def test_qnn_16a4w_program_holds_per_channel_gptq_codes(qnn_16a4w, peaked_llama:
     out, report = qnn_16a4w
     ref = tmp_path / "per-channel"
     run_cli("gptq", str(peaked_llama), str(ref), "--group", "-1",
-            *[a for a in TINY_GPTQ if a not in ("--group", "32")])
+            *[a for a in TINY_GPTQ_PLAIN if a not in ("--group", "32")])
     codes = artifact_codes(ref)
     program = torch.export.load(str(out / "qnn_decode.pt2"))
     consts = {**program.state_dict, **program.constants}
@@ -747,7 +769,7 @@ def test_quantized_artifacts_the_phone_cannot_hold_are_refused(peaked_llama: Pat
     """Negative scales (a run without --positive-scales) and codes of another model: one
     error line, exit 2, nothing written."""
     signed = tmp_path / "signed"
-    run_cli("gptq", str(peaked_llama), str(signed), *[a for a in TINY_GPTQ
+    run_cli("gptq", str(peaked_llama), str(signed), *[a for a in TINY_GPTQ_PLAIN
                                                       if a != "--positive-scales"])
     line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
                        "--scheme", "8da4w", "--quantized", str(signed), *SMALL_CLI])

@@ -7,9 +7,9 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
 ``8da8w``   int8 weights per channel (weighted scale search), int8 activations per token at run
             time
 ``8da4w``   int4 GPTQ codes in groups of 32 (the export's own calibrated GPTQ run, positive
-            scales), int8 activations per token
-``8da4w-smooth``  the same, with the GPTQ run folding activation smoothing into the weights
-            first (``export-phone --gptq-smooth``, i.e. ``cpu-quant gptq --smooth``)
+            scales, activation smoothing folded into the weights first: ``cpu-quant gptq
+            --smooth``, the export's default for 8da4w), int8 activations per token
+``8da4w-nosmooth``  the same without the smoothing (``export-phone --no-gptq-smooth``)
 ``w8a16``   QNN: int8 weights per channel, calibrated uint16 activations; without the Qualcomm
             SDK the program runs on ExecuTorch's portable kernels on this host (not the HTP)
 ``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable

@@ -92,10 +92,11 @@ def print_summary(report: dict, out: str) -> None:
               help="Calibration windows of the GPTQ run (8da4w/16a4w without --quantized).")
 @click.option("--gptq-seqlen", type=int, default=512, show_default=True,
               help="Tokens per window of the GPTQ run.")
-@click.option("--gptq-smooth", is_flag=True,
+@click.option("--gptq-smooth/--no-gptq-smooth", default=None,
               help="The GPTQ run folds activation smoothing into the weights first (`cpu-quant "
-                   "gptq --smooth`), and the program takes the folded norms; for 8da4w's int8 "
-                   "activations. An artifact given with --quantized brings its own folds.")
+                   "gptq --smooth`), and the program takes the folded norms. Default: on for "
+                   "8da4w (int8 activations), off for 16a4w. An artifact given with --quantized "
+                   "brings its own folds.")
 @click.option("--group-size", type=int, default=32, show_default=True,
               help="8da4w: the group of the GPTQ run made here, 32, 64 or 128 (a linear it "
                    "does not divide takes the largest smaller one that does, else 8-bit "
@@ -108,7 +109,7 @@ def print_summary(report: dict, out: str) -> None:
 @friendly_errors
 def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized: str | None,
                  max_seq_len: int, prefill_len: int, calib: str | None, calib_samples: int,
-                 gptq_samples: int, gptq_seqlen: int, gptq_smooth: bool, group_size: int,
+                 gptq_samples: int, gptq_seqlen: int, gptq_smooth: bool | None, group_size: int,
                  soc: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
 

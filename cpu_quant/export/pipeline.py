@@ -83,8 +83,9 @@ class PhoneExportSettings:
     quantized: str | None = None  # a `cpu-quant gptq --positive-scales` artifact (4-bit schemes)
     gptq_samples: int = 128  # the GPTQ run made here when `quantized` is None
     gptq_seqlen: int = 512
-    # the GPTQ run folds activation smoothing into the weights first (gptq --smooth)
-    gptq_smooth: bool = False
+    # the GPTQ run folds activation smoothing into the weights first (gptq --smooth); None:
+    # the scheme's default, on for 8da4w (int8 activations), off for 16a4w (16-bit ones)
+    gptq_smooth: bool | None = None
     verify_windows: int = 4
     verify_len: int = 128  # capped at max_seq_len
     gen_tokens: int = 16
@@ -126,6 +127,13 @@ class PhoneExportSettings:
         """Whether the export makes its own GPTQ run (a 4-bit scheme without --quantized)."""
         return self.resolved_scheme in FOUR_BIT_SCHEMES and self.quantized is None
 
+    @property
+    def smooths(self) -> bool:
+        """Whether the export's GPTQ run folds activation smoothing (``gptq_smooth`` resolved)."""
+        if self.gptq_smooth is not None:
+            return self.gptq_smooth and self.runs_gptq
+        return self.runs_gptq and self.resolved_scheme == "8da4w"
+
     def gptq_settings(self):
         """The GPTQ run that gives the 4-bit schemes their codes: the phone's grid (symmetric,
         positive scales), ``group_size``, the head quantized, calibrated on ``calib``."""
@@ -136,7 +144,7 @@ class PhoneExportSettings:
         group = -1 if self.resolved_scheme == "16a4w" else self.group_size
         return QuantSettings(method="gptq", group_size=group, positive_scales=True,
                              calib=self.calib, samples=self.gptq_samples,
-                             seqlen=self.gptq_seqlen, smooth=self.gptq_smooth)
+                             seqlen=self.gptq_seqlen, smooth=self.smooths)
 
     def shape(self, model: StaticCausalLM) -> GraphShape:
         s = model.spec
@@ -504,7 +512,7 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     report = {
         "backend": settings.backend,
         "scheme": scheme,
-        "settings": asdict(settings),
+        "settings": {**asdict(settings), "gptq_smooth": settings.smooths},  # resolved
         "graph": asdict(shape),
         "produced": produced,
         "sizes": {"pte_bytes": produced["model.pte"]["bytes"], "float32_bytes": fp32_bytes,
