@@ -419,8 +419,12 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
                                 if scheme in FOUR_BIT_SCHEMES else (None, None, None))
     if factors is not None:  # codes of the folded weights: the graph takes the folded norms
         source["smoothing"] = {"folded_tensors": phone_weights.fold_smoothing(model, src, factors)}
-    # --calib-samples 0: no statistics, so uniform importance and no smoothing
-    stats = phone_weights.activation_stats(model, run_calibration) if calib_windows else {}
+    # --calib-samples 0: no statistics, so uniform importance and no smoothing. The 4-bit
+    # schemes use them only for a linear the GPTQ result lacks (its 8-bit fallback).
+    needs_stats = scheme not in FOUR_BIT_SCHEMES or any(
+        name not in results for name in phone_weights.linear_modules(model))
+    stats = (phone_weights.activation_stats(model, run_calibration)
+             if calib_windows and needs_stats else {})
     if scheme == "8da8w" and stats:
         # its int8 activations gain from the range moved into the 8-bit weights
         stats = smooth_static_lm(model, stats, SMOOTHING_ALPHA)
@@ -431,6 +435,7 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
         return weights
     importance = phone_weights.importance(stats)
     weights = phone_weights.weights_from_gptq(model, results, importance, source)
+    weights.source["importance_measured"] = bool(stats)
     if scheme == "16a4w":
         grouped = [n for n, w in weights.linears.items() if w.bits == 4 and not w.per_channel]
         if grouped:
@@ -538,7 +543,13 @@ def _calibration_record(settings: PhoneExportSettings, calib_windows: list[list[
     if weights is None:
         return {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
                 "note": "nothing calibrated: float weights"}
-    return {"source": settings.calib or "austen (built-in calibration split)",
+    source = settings.calib or "austen (built-in calibration split)"
+    if not weights.source.get("importance_measured", True):
+        return {"source": source, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
+                "note": "every linear holds the GPTQ run's codes, so no 8-bit scale search "
+                        "and no activation statistics; XNNPACK quantizes activations per "
+                        "token at run time"}
+    return {"source": source,
             "samples": len(calib_windows), "prefill_tokens": sum(map(len, calib_windows)),
             "decode_tokens": 0,
             "note": "the windows measure the input-channel importance of the weights' scale "
