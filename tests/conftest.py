@@ -62,7 +62,7 @@ WORKER_GROUPS = {
 # 2-core CI machine, fixtures included (a serial run of the tier, --durations). The rest keep
 # their file order after these.
 LONGEST_FIRST = (
-    "test_demo_model_8da4w_holds_the_gptq_codes",  # ~980 s with its group-32 GPTQ run
+    "test_demo_model_8da4w_holds_the_gptq_codes",  # ~670 s with its group-32 GPTQ run
     "test_runtime_patches.py",  # seven engine starts, ~300 s
     "test_runtime_suite_smoke",  # three engine starts through the harness, ~245 s
     "test_tinygemm.py",  # a calibrated cpu_int4 run and an engine start, ~240 s
