@@ -435,7 +435,7 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
         return weights
     importance = phone_weights.importance(stats)
     weights = phone_weights.weights_from_gptq(model, results, importance, source)
-    weights.source["importance_measured"] = bool(stats)
+    weights.source["needs_importance"] = needs_stats  # some linear takes 8-bit weights
     if scheme == "16a4w":
         grouped = [n for n, w in weights.linears.items() if w.bits == 4 and not w.per_channel]
         if grouped:
@@ -544,7 +544,7 @@ def _calibration_record(settings: PhoneExportSettings, calib_windows: list[list[
         return {"source": None, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
                 "note": "nothing calibrated: float weights"}
     source = settings.calib or "austen (built-in calibration split)"
-    if not weights.source.get("importance_measured", True):
+    if not weights.source.get("needs_importance", True):
         return {"source": source, "samples": 0, "prefill_tokens": 0, "decode_tokens": 0,
                 "note": "every linear holds the GPTQ run's codes, so no 8-bit scale search "
                         "and no activation statistics; XNNPACK quantizes activations per "
