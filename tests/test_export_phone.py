@@ -483,6 +483,9 @@ def test_8da4w_program_holds_the_gptq_sinks_codes(xnnpack_8da4w, tiny_gptq: Path
     # smoothing folded (the 8da4w default): the program took the folded norms
     assert gptq_run["smooth"] and report["settings"]["gptq_smooth"]
     assert report["weights"]["source"]["smoothing"]["folded_tensors"] > 0
+    # every linear holds GPTQ codes: no 8-bit search, so no activation-statistics pass
+    assert report["calibration"]["samples"] == 0
+    assert "every linear holds the GPTQ run's codes" in report["calibration"]["note"]
     command = report["weights"]["source"]["command"]  # the cpu-quant gptq command it ran
     assert command[:4] == ["cpu-quant", "gptq", "SRC", "OUT"]
     threads = command.index("--threads")
