@@ -73,7 +73,14 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
     return {"load_s": load_s, "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": gen_tokens / decode_s, "prompt_tokens": len(prompt),
             "gen_tokens": gen_tokens, "max_seq_len": max_seq_len, "prefill_len": prefill_len,
-            "threads": torch.get_num_threads()}
+            "threads": _executorch_threads()}
+
+
+def _executorch_threads() -> int:
+    """The ExecuTorch thread pool's size (what runs the program; torch's own pool does not)."""
+    from executorch.extension.pybindings import portable_lib
+
+    return portable_lib._threadpool_get_thread_count()
 
 
 def export(src: Path, out: Path, arm: str, max_seq_len: int, prefill_len: int,

@@ -39,6 +39,7 @@ graph being judged:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -163,13 +164,27 @@ class VerifyResult:
         return "; ".join(parts) + "; nothing was written"
 
 
+def executorch_runtime():
+    """ExecuTorch's runtime, its thread pool no larger than the CPUs this process may run on.
+    The pool counts every processor of the host, not the affinity mask, so a process pinned to
+    one core (taskset, a container's cpuset) would otherwise run two threads on it."""
+    from executorch.extension.pybindings import portable_lib
+    from executorch.runtime import Runtime
+
+    runtime = Runtime.get()
+    if hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
+        if portable_lib._threadpool_get_thread_count() > cpus:
+            portable_lib._unsafe_reset_threadpool(cpus)  # "unsafe" only while a method runs
+    return runtime
+
+
 def pte_step_functions(pte: Path, shape: GraphShape) -> tuple[StepFn, StepFn]:
     """The prefill and decode steps of a ``.pte`` through ExecuTorch's C++ runtime (``decode``
     serves both in a single-method program)."""
     import executorch.kernels.quantized  # noqa: F401  registers the quantized kernels
-    from executorch.runtime import Runtime
 
-    program = Runtime.get().load_program(str(pte))
+    program = executorch_runtime().load_program(str(pte))
 
     def step(name: str) -> StepFn:
         method = program.load_method(name)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import CpuQuantError
-from .verify import snr_db
+from .verify import executorch_runtime, snr_db
 from .weights import LinearWeights, PhoneWeights, int8_per_channel
 
 XNNPACK_SCHEMES = ("8da8w", "8da4w")
@@ -113,8 +113,6 @@ class _ProbeLinear(nn.Module):
 @functools.lru_cache(maxsize=1)
 def probe_weight_only_int8() -> ProbeResult:
     """Export one int8 weight-only linear to XNNPACK, run it, compare with its eager graph."""
-    from executorch.runtime import Runtime
-
     model = _ProbeLinear().eval()
     weights = PhoneWeights({"proj": int8_per_channel(model.proj.weight.data, None)})
     quantize_for_xnnpack(model, weights, WEIGHT_ONLY_SCHEME)
@@ -123,7 +121,7 @@ def probe_weight_only_int8() -> ProbeResult:
         expected = model(x)
         program = torch.export.export(model, (x,), strict=False)
     manager = lower_to_xnnpack({"forward": program})
-    method = Runtime.get().load_program(manager.buffer).load_method("forward")
+    method = executorch_runtime().load_program(manager.buffer).load_method("forward")
     got = method.execute([x])[0]
     snr = snr_db(got, expected)
     return ProbeResult(snr, snr >= PROBE_MIN_SNR_DB)
