@@ -597,6 +597,28 @@ def test_calibration_improves_w8a16_against_float(peaked_llama: Path) -> None:
     assert calibrated > uncalibrated + 3, (calibrated, uncalibrated)
 
 
+# -- the runtime's threads ----------------------------------------------------------------------
+
+def test_the_runtimes_thread_pool_fits_the_cpus_the_process_may_use() -> None:
+    """ExecuTorch sizes its pool from every processor of the host; a process pinned to one
+    core (taskset, a cpuset) gets a pool of one thread, not two threads on one core."""
+    import os
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2 and (os.cpu_count() or 1) < 2:
+        pytest.skip("needs a host with two CPUs")
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "from executorch.extension.pybindings import portable_lib as p\n"
+            "before = p._threadpool_get_thread_count()\n"
+            "from cpu_quant.export.verify import executorch_runtime\n"
+            "executorch_runtime()\n"
+            "print(before, p._threadpool_get_thread_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert int(out[0]) >= 2 and int(out[1]) == 1, out
+
+
 # -- verification catches broken programs -----------------------------------------------------
 
 def test_weight_only_probe_really_runs_and_detects_the_bug() -> None:
