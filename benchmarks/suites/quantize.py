@@ -225,6 +225,8 @@ def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
         problems.append(f"scale_search {s['scale_search']} with flags {flags}")
     if s.get("w4a8_hessians", False) != ("--w4a8-hessians" in flags):
         problems.append(f"w4a8_hessians {s.get('w4a8_hessians')} with flags {flags}")
+    if s.get("smooth", False) != ("--smooth" in flags):
+        problems.append(f"smooth {s.get('smooth')} with flags {flags}")
     head_group = int(flags[flags.index("--head-group") + 1]) if "--head-group" in flags else None
     if s.get("head_group") != head_group:
         problems.append(f"head_group {s.get('head_group')} != {head_group}")
