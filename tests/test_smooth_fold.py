@@ -21,7 +21,6 @@ from cpu_quant.quantize.smooth_fold import (
     all_folds,
     fold_tensor,
     load_factors,
-    output_errors,
     refuse,
     w4a8_error,
 )
@@ -117,13 +116,7 @@ def test_the_search_never_does_worse_than_no_smoothing():
     fold = smooth_fold.Fold("n.weight", ("a.weight",))
     s, choice = smooth_fold.choose(fold, x.abs().amax(0), x, [w], [32])
     assert choice.alpha is not None and choice.error < 0.5 * choice.error_unsmoothed
-    assert abs(sum(output_errors(x, [w], s, [32])) - choice.error) < 1e-9
-    assert abs(w4a8_error(x, [w], s, [32]) - choice.w4a8_error) < 1e-12
-    # the weights-only part: bf16-like activations as they are, 4-bit RTN weights, by hand
-    wq = smooth_fold._rtn4(w * s, 32)
-    y = x @ w.T
-    by_hand = float(((x / s) @ wq.T - y).pow(2).sum() / y.pow(2).sum())
-    assert abs(choice.weights_error - by_hand) < 1e-9 * max(1.0, by_hand)
+    assert abs(w4a8_error(x, [w], s, [32]) - choice.error) < 1e-9
     flat = torch.randn(512, 64, generator=gen)
     s2, c2 = smooth_fold.choose(fold, flat.abs().amax(0), flat, [w], [32])
     assert c2.error <= c2.error_unsmoothed

@@ -18,12 +18,9 @@ stays a plain Llama-like checkpoint that stock vLLM loads. On a Llama-like decod
 The strength is chosen per fold from calibration: before GPTQ, one float forward over the first
 :data:`STATS_BATCHES` calibration batches records each fold's per-channel ``max|x|`` and a
 sample of :data:`SAMPLE_TOKENS` tokens; for each candidate ``α`` (:data:`ALPHAS`, and no
-smoothing at all) the reading linears' output is computed with round-to-nearest 4-bit weights
-of the configured group, once with the int8-per-token activations (the W4A8 kernel's
-arithmetic) and once with the activations as they are (tinygemm's and ``cpu_gemm_wna16``'s),
-and the ``α`` with the least sum of the two relative squared errors against the float output is
-kept: the checkpoint is served both ways, and on the demo model the sum gave a lower held-out
-KL on both paths than the W4A8 error alone. GPTQ then
+smoothing at all) the reading linears' output is computed with the int8-per-token activations
+and round-to-nearest 4-bit weights of the configured group (the W4A8 kernel's arithmetic), and
+the ``α`` with the least relative squared error against the float output is kept. GPTQ then
 runs on the folded weights as on any checkpoint. The folded norms are stored in bf16, like every
 norm of the artifact; the factors are written beside the weights (:data:`FACTORS_FILE`) so that
 ``verify --source`` and ``export-phone`` can fold the source the same way.
@@ -188,47 +185,33 @@ def _rtn4(w: torch.Tensor, group: int) -> torch.Tensor:
     return (torch.round(wg / scale).clamp_(-QZERO, QZERO - 1) * scale).reshape(w.shape)
 
 
-def output_errors(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tensor | None,
-                  groups: list[int], outputs: list[torch.Tensor] | None = None
-                  ) -> tuple[float, float]:
-    """Relative squared errors of ``x Wᵀ`` (every W) with ``W · diag(s)`` 4-bit
-    round-to-nearest in groups of ``groups`` (one per W, as the run's plan gives them): first
-    with ``x / s`` int8 per token (vLLM's W4A8 kernel), then with ``x / s`` as it is (the bf16
-    activations of tinygemm and ``cpu_gemm_wna16``); ``outputs``: the float ``x Wᵀ``, when
-    already computed."""
-    xs = x if s_cols is None else x / s_cols
-    xq = _int8_per_token(xs)
-    w4a8 = weights_only = den = 0.0
-    ys = outputs or [x @ w.T for w in weights]
-    for w, group, y in zip(weights, groups, ys, strict=True):
-        wq = _rtn4(w if s_cols is None else w * s_cols, group)
-        w4a8 += float((xq @ wq.T - y).pow(2).sum())
-        weights_only += float((xs @ wq.T - y).pow(2).sum())
-        den += float(y.pow(2).sum())
-    den = max(den, 1e-30)
-    return w4a8 / den, weights_only / den
-
-
 def w4a8_error(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tensor | None,
                groups: list[int], outputs: list[torch.Tensor] | None = None) -> float:
-    """The first of :func:`output_errors`: the W4A8 kernel's."""
-    return output_errors(x, weights, s_cols, groups, outputs)[0]
+    """Relative squared error of ``x Wᵀ`` (every W) when ``x / s`` is int8 per token and
+    ``W · diag(s)`` is 4-bit round-to-nearest in groups of ``groups`` (one per W, as the run's
+    plan gives them); ``outputs``: the float ``x Wᵀ``, when already computed."""
+    xs = x if s_cols is None else x / s_cols
+    xq = _int8_per_token(xs)
+    num = den = 0.0
+    ys = outputs or [x @ w.T for w in weights]
+    for w, group, y in zip(weights, groups, ys, strict=True):
+        ws = w if s_cols is None else w * s_cols
+        num += float((xq @ _rtn4(ws, group).T - y).pow(2).sum())
+        den += float(y.pow(2).sum())
+    return num / max(den, 1e-30)
 
 
 @dataclass
 class Choice:
     alpha: float | None  # None: no smoothing (s = 1)
-    error: float  # W4A8 + weights-only relative error, with the chosen factor
+    error: float
     error_unsmoothed: float
-    w4a8_error: float = 0.0
-    weights_error: float = 0.0
 
 
 def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list[torch.Tensor],
            groups: list[int]) -> tuple[torch.Tensor, Choice]:
-    """The factor ``s`` of ``fold`` (per divided channel) with the least sum of the W4A8 and
-    the weights-only errors (:func:`output_errors`) on ``sample``: a checkpoint is served both
-    ways. ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels)."""
+    """The factor ``s`` of ``fold`` (per divided channel) with the least W4A8 error on
+    ``sample``; ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels)."""
     w32 = [w.float() for w in weights]
     x = sample.float()
     if fold.rep > 1:  # a v row's factor: over its rep heads' channels
@@ -239,13 +222,13 @@ def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list
     else:
         a, cols = absmax.float(), w32
     ys = [x @ w.T for w in w32]
-    e8, ew = output_errors(x, w32, None, groups, ys)
-    best_s, best = torch.ones_like(a), Choice(None, e8 + ew, e8 + ew, e8, ew)
+    base = w4a8_error(x, w32, None, groups, ys)
+    best_s, best = torch.ones_like(a), Choice(None, base, base)
     for alpha in ALPHAS:
         s = smoothing_scales(a, cols, alpha)
-        e8, ew = output_errors(x, w32, fold.expand(s), groups, ys)
-        if e8 + ew < best.error:
-            best_s, best = s, Choice(alpha, e8 + ew, best.error_unsmoothed, e8, ew)
+        err = w4a8_error(x, w32, fold.expand(s), groups, ys)
+        if err < best.error:
+            best_s, best = s, Choice(alpha, err, base)
     return best_s, best
 
 
@@ -319,7 +302,8 @@ def plan_smoothing(stream, batches: list[torch.Tensor], group_of: Callable[[str]
                        for n in f.scale]
             s, c = choose(f, stats.absmax[r], stats.sample(r), weights,
                           [group_of(n) for n in f.scale])
-            factors[f.key], choices[f.key] = s, _record(c)
+            factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
+                                                 "w4a8_error_unsmoothed": c.error_unsmoothed}
         stream.unload_layer(i)
     for f in by_layer.get(-1, []):  # the head: the final norm's output
         stats_abs, samples = None, []
@@ -331,13 +315,9 @@ def plan_smoothing(stream, batches: list[torch.Tensor], group_of: Callable[[str]
             samples.append(x[::max(1, x.shape[0] // per)][:per])
         head_w = ckpt.tensor(stream.head_weight_name())
         s, c = choose(f, stats_abs, torch.cat(samples), [head_w], [group_of(HEAD)])
-        factors[f.key], choices[f.key] = s, _record(c)
+        factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
+                                             "w4a8_error_unsmoothed": c.error_unsmoothed}
     return folds, factors, choices
-
-
-def _record(c: Choice) -> dict:
-    return {"alpha": c.alpha, "error": c.error, "error_unsmoothed": c.error_unsmoothed,
-            "w4a8_error": c.w4a8_error, "weights_error": c.weights_error}
 
 
 def save_factors(path: Path, factors: dict[str, torch.Tensor]) -> None:
@@ -365,9 +345,8 @@ def load_factors(root: str | Path) -> dict[str, torch.Tensor] | None:
 
 
 def summary(choices: dict[str, dict], batches: list[torch.Tensor], seconds: float) -> dict:
-    """What the report records of a smoothed run: per fold, the strength, the error it
-    minimised with and without it, and its two parts; how many folds took each strength; the
-    statistics pass."""
+    """What the report records of a smoothed run: per fold, the strength and the W4A8 error
+    with and without it; how many folds took each strength; the statistics pass."""
     counts: dict[str, int] = {}
     for c in choices.values():
         key = "off" if c["alpha"] is None else str(c["alpha"])
@@ -375,8 +354,8 @@ def summary(choices: dict[str, dict], batches: list[torch.Tensor], seconds: floa
     return {"factors_file": FACTORS_FILE, "stats_tokens": sum(b.numel() for b in batches),
             "sample_tokens": SAMPLE_TOKENS, "alphas_tried": list(ALPHAS), "alpha_counts": counts,
             "seconds": round(seconds, 3),
-            "folds": {k: {"alpha": c["alpha"], **{name: round(c[name], 6) for name in
-                          ("error", "error_unsmoothed", "w4a8_error", "weights_error")}}
+            "folds": {k: {"alpha": c["alpha"], "w4a8_error": round(c["w4a8_error"], 6),
+                          "w4a8_error_unsmoothed": round(c["w4a8_error_unsmoothed"], 6)}
                       for k, c in choices.items()}}
 
 
