@@ -40,8 +40,7 @@ import pytest
 def _pin_worker() -> None:
     """Pin this pytest-xdist worker to its own share of the CPUs, before torch loads (its
     OpenMP pool sizes itself to the affinity mask, and the processes the tests start inherit
-    it). Two workers each running two threads on two cores did the same torch work 2.0-2.4x
-    slower than one thread each."""
+    it), instead of two workers each running two threads on two cores."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not worker or not count or not hasattr(os, "sched_setaffinity"):
         return

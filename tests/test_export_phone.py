@@ -13,6 +13,9 @@ the same click command in-process.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -602,10 +605,6 @@ def test_calibration_improves_w8a16_against_float(peaked_llama: Path) -> None:
 def test_the_runtimes_thread_pool_fits_the_cpus_the_process_may_use() -> None:
     """ExecuTorch sizes its pool from every processor of the host; a process pinned to one
     core (taskset, a cpuset) gets a pool of one thread, not two threads on one core."""
-    import os
-    import subprocess
-    import sys
-
     if len(os.sched_getaffinity(0)) < 2 and (os.cpu_count() or 1) < 2:
         pytest.skip("needs a host with two CPUs")
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
@@ -748,8 +747,6 @@ def test_a_failed_gptq_run_is_one_line_and_leaves_nothing(peaked_llama: Path, tm
                                                           monkeypatch) -> None:
     """The export's GPTQ command exits non-zero: its last error line is the export's one line,
     exit 2, and neither OUT nor the staging directory is left."""
-    import sys
-
     from cpu_quant.export import pipeline
 
     def failing(src, target, settings, quiet):
