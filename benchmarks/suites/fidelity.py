@@ -21,6 +21,8 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
                            (``--w4a8-hessians``, as vLLM's W4A8 kernel sees them)
 ``gptq+head+smooth``       the default with activation smoothing folded into the weights first
                            (``--smooth``, strength chosen per fold on W4A8 error)
+``gptq+head+smooth-g32``   smoothing folded in and the head in groups of 32 (``--smooth
+                           --head-group 32``)
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
@@ -107,6 +109,8 @@ ARMS: tuple[FidelityArm, ...] = (
                 "cpu-quant", flags=("--method", "gptq", "--w4a8-hessians")),
     FidelityArm("gptq+head+smooth", "GPTQ, head quantized, activation smoothing folded in",
                 "cpu-quant", flags=("--method", "gptq", "--smooth")),
+    FidelityArm("gptq+head+smooth-g32", "GPTQ, smoothing folded in, head in groups of 32",
+                "cpu-quant", flags=("--method", "gptq", "--smooth", "--head-group", "32")),
     FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",
                 subcommand="tinygemm", flags=(NO_HEAD,)),
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),
