@@ -8,7 +8,8 @@ its pytest lines (the unit tier, then the end-to-end tier ``-m e2e``), each with
 Python, exactly as ``.ci/run`` states them. For each step it records the wall time, the exit
 status, pytest's closing line (passed / skipped / failed counts and pytest's own time), every
 test's seconds (setup, call and teardown, from a JUnit XML report the runner asks pytest for;
-the only argument it adds), the load average before and after, and the tail of its output; the result carries the benchmark provenance (git
+the only argument it adds), the load average before and after, and the tail of its output; the
+result carries the benchmark provenance (git
 SHA and cleanliness, CPU model and flags, package versions). Result file:
 ``<out>/test-tiers-<UTC time>.json``, written atomically once every step has run; the run
 exits non-zero when any step failed (the file is written either way).
@@ -92,7 +93,7 @@ def venv_provenance(settings: dict) -> dict:
     code = ("import json, sys; from benchmarks import provenance; "
             "print(json.dumps(provenance.collect(json.loads(sys.argv[1]))))")
     proc = subprocess.run([str(python), "-c", code, json.dumps(settings)], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise provenance.ProvenanceError(
             f"the venv's Python could not collect the provenance: {proc.stderr.strip()[-300:]}")

@@ -66,7 +66,7 @@ E2E_FIXTURES = frozenset({
     "demo_formats", "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact",
     "uniform_artifact", "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
     "qnn_w8a16", "qnn_16a4w", "xnnpack_8da4w", "tiny_gptq", "demo_gptq_g32", "quantize_dir",
-    "quantize_result", "fidelity_result", "stream_and_hidden", "smooth_artifact",
+    "quantize_result", "fidelity_result", "stream_and_hidden",
 })
 E2E_MARKS = ("e2e", "vllm", "slow")
 
@@ -197,7 +197,8 @@ def artifacts_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_formats(demo_src: Path, artifacts_dir: Path) -> Path:
     """The real main job writing every format from one calibrated run (GPTQ, group 128, head
-    quantized, small calibration): ``DIR/gptq``, ``DIR/cpu_int4``, ``DIR/gguf``. The one
+    quantized, smoothing folded in: the defaults; small calibration): ``DIR/gptq``,
+    ``DIR/cpu_int4``, ``DIR/gguf``. The one
     quantization of the demo model that the end-to-end tier shares."""
     dst = artifacts_dir / "demo-formats"
     return build_once(dst, lambda: run_cli(
@@ -209,14 +210,6 @@ def demo_formats(demo_src: Path, artifacts_dir: Path) -> Path:
 def gptq_artifact(demo_formats: Path) -> Path:
     """The main job's GPTQ checkpoint (see ``demo_formats``)."""
     return demo_formats / "gptq"
-
-
-@pytest.fixture(scope="session")
-def smooth_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
-    """The main job with activation smoothing folded in (``--smooth``), small calibration."""
-    dst = artifacts_dir / "demo-smooth"
-    return build_once(dst, lambda: run_cli("gptq", str(demo_src), str(dst), "--group", "128",
-                                           *SMALL_CALIB, "--smooth", "--no-eval"))
 
 
 @pytest.fixture(scope="session")

@@ -114,9 +114,22 @@ def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
 
 @pytest.mark.vllm
 @needs_stock_vllm_gptq_kernel
-def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifact, tmp_path):
+def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifact, demo_src,
+                                                                      tmp_path):
+    """The default build folds activation smoothing into norms and rows only: stock vLLM loads
+    the checkpoint as any GPTQ one and generates the greedy tokens of its dequantized weights;
+    ``verify --source`` reads the source through the same folds and finds every module."""
     from transformers import AutoTokenizer
 
+    from cpu_quant.quantize.smooth_fold import load_factors
+    from cpu_quant.verify.source import compare_with_source
+
+    assert load_factors(gptq_artifact) is not None
+    src_norm = open_checkpoint(demo_src).tensor("model.layers.3.input_layernorm.weight")
+    art_norm = open_checkpoint(gptq_artifact).tensor("model.layers.3.input_layernorm.weight")
+    assert not torch.equal(src_norm, art_norm)  # the fold is really in the checkpoint
+    findings, summary = compare_with_source(gptq_artifact, demo_src)
+    assert not findings and summary["min_db"] > 6
     tok = AutoTokenizer.from_pretrained(gptq_artifact)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     results, log = _vllm_greedy(gptq_artifact, prompts, tmp_path)
@@ -124,32 +137,6 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
     assert "auto_gptq" in log
     # on AMX that is the W4A8 kernel (int8 activations): its own tolerance (helpers/vllm_paths)
     _assert_greedy_matches_dequantized(gptq_artifact, prompts, results,
-                                       NEAR_TIE_NATS[stock_vllm_gptq_path()])
-
-
-@pytest.mark.vllm
-@needs_stock_vllm_gptq_kernel
-def test_stock_vllm_serves_a_smoothed_artifact_like_its_dequantized_weights(
-        smooth_artifact, demo_src, tmp_path):
-    """``--smooth`` folds into norms and rows only: stock vLLM loads the checkpoint as any GPTQ
-    one and generates the greedy tokens of its dequantized weights; ``verify --source`` reads
-    the source through the same folds and finds every module."""
-    from transformers import AutoTokenizer
-
-    from cpu_quant.quantize.smooth_fold import load_factors
-    from cpu_quant.verify.source import compare_with_source
-
-    assert load_factors(smooth_artifact) is not None
-    src_norm = open_checkpoint(demo_src).tensor("model.layers.3.input_layernorm.weight")
-    art_norm = open_checkpoint(smooth_artifact).tensor("model.layers.3.input_layernorm.weight")
-    assert not torch.equal(src_norm, art_norm)  # the fold is really in the checkpoint
-    findings, summary = compare_with_source(smooth_artifact, demo_src)
-    assert not findings and summary["min_db"] > 6
-    tok = AutoTokenizer.from_pretrained(smooth_artifact)
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    results, log = _vllm_greedy(smooth_artifact, prompts, tmp_path)
-    assert "CPUWNA16LinearKernel" in log
-    _assert_greedy_matches_dequantized(smooth_artifact, prompts, results,
                                        NEAR_TIE_NATS[stock_vllm_gptq_path()])
 
 

@@ -65,7 +65,7 @@ def test_resume_after_a_kill_between_the_activations_and_the_state(hostile_bases
     from cpu_quant.quantize.pipeline import quantize_checkpoint
     from cpu_quant.quantize.settings import QuantSettings
 
-    settings = QuantSettings(**TINY_SETTINGS, calib=str(hostile_bases.calib))
+    settings = QuantSettings(**TINY_SETTINGS, calib=str(hostile_bases.calib), smooth=None)
     quantize_checkpoint(hostile_bases.model, tmp_path / "whole", settings, progress=False)
     dst = tmp_path / "out"
     staging = Path(shutil.copytree(hostile_bases.partial / ".out.partial",

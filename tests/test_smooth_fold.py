@@ -157,6 +157,38 @@ def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_so
     assert not FACTORS_FILE.endswith(".safetensors")
 
 
+@pytest.mark.parametrize(("arch", "settings", "folds"), [
+    ("llama", QuantSettings(), True),
+    ("qwen3", QuantSettings(), True),
+    ("llama", QuantSettings(method="rtn"), False),
+    ("llama", QuantSettings(symmetric=False), False),
+    ("gemma2", QuantSettings(), False),
+    ("phi3", QuantSettings(), False),
+])
+def test_the_default_folds_only_calibrated_symmetric_gptq_of_a_foldable_model(
+        arch, settings, folds, demo_src, tmp_path):
+    cfg = json.loads((make_tiny_model(arch, tmp_path / "src", demo_src) / "config.json").read_text())
+    smooth, note = smooth_fold.default_smoothing(cfg, settings)
+    assert smooth is folds
+    # a model it cannot fold says why in the plan's notes; a setting that excludes it does not
+    assert (note is not None) == (arch in ("gemma2", "phi3"))
+    if note:
+        assert note.startswith("activation smoothing not folded: cannot fold into a")
+
+
+def test_the_gptq_default_smooths_and_reports_it_and_a_gemma_run_says_why_not(
+        tiny_llama, demo_src, tmp_path):
+    small = dict(samples=4, seqlen=32, batch_size=2, group_size=32, smooth=None)
+    report = quantize_checkpoint(tiny_llama, tmp_path / "llama", QuantSettings(**small),
+                                 progress=False)
+    assert report.settings["smooth"] is True and report.smoothing is not None
+    gemma = make_tiny_model("gemma2", tmp_path / "gemma", demo_src)
+    report = quantize_checkpoint(gemma, tmp_path / "gemma-out", QuantSettings(**small),
+                                 progress=False)
+    assert report.settings["smooth"] is False and report.smoothing is None
+    assert any(n.startswith("activation smoothing not folded") for n in report.plan_notes)
+
+
 def test_smooth_without_calibration_is_refused():
     with pytest.raises(CpuQuantError, match="--smooth needs calibration"):
         QuantSettings(method="rtn", calib="none", smooth=True).validate()

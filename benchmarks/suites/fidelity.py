@@ -12,17 +12,17 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 =========================  =======================================================================
 ``rtn``                    round-to-nearest, absmax scales, data-free (``--calib none``)
 ``rtn+search``             RTN with the weighted scale search (importance from calibration E[x²])
-``gptq``                   GPTQ as cpu-quant runs it by default (act-order with static groups, so
-                           ``g_idx`` stays trivial), head bf16
+``gptq``                   GPTQ as cpu-quant runs it by default (smoothing folded in, act-order
+                           with static groups, so ``g_idx`` stays trivial), head bf16
 ``gptq-natural-order``     GPTQ sweeping the columns in natural order (``--no-act-order``)
-``gptq+head``              GPTQ with the output head quantized too (cpu-quant's default)
-``gptq+head-g32``          the default with the head in groups of 32 (``--head-group 32``)
+``gptq+head``              GPTQ with the output head quantized too, in groups of 32, and activation
+                           smoothing folded into the weights first (cpu-quant's default)
+``gptq+head-plain``        the default without smoothing and with the head in the run's group
+                           (``--no-smooth --head-group 128``: the default before both)
+``gptq+head-nosmooth``     the default without smoothing (``--no-smooth``)
+``gptq+head-g128``         the default with the head in the run's group (``--head-group 128``)
 ``gptq+head+w4a8-hess``    the default with GPTQ's Hessians from int8-per-token activations
                            (``--w4a8-hessians``, as vLLM's W4A8 kernel sees them)
-``gptq+head+smooth``       the default with activation smoothing folded into the weights first
-                           (``--smooth``, strength chosen per fold on W4A8 error)
-``gptq+head+smooth-g32``   smoothing folded in and the head in groups of 32 (``--smooth
-                           --head-group 32``)
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
@@ -46,7 +46,8 @@ Metrics: ``kl_mean`` (nats, lower), ``ppl_delta`` (quantized − reference perpl
 ``top1_agreement`` (higher), ``greedy_prefix_fraction`` (higher), ``greedy_exact`` (prompts
 reproduced exactly, higher), all with bf16/float activations (what ``cpu_gemm_wna16`` and
 tinygemm compute); and ``kl_mean_w4a8``, ``top1_agreement_w4a8``: the same with every linear's
-input quantized to int8 per token (``eval --w4a8``: vLLM's AMX W4A8 kernel, emulated). The evaluation is deterministic, so the spread over passes is
+input quantized to int8 per token (``eval --w4a8``: vLLM's AMX W4A8 kernel, emulated). The
+evaluation is deterministic, so the spread over passes is
 expected to be 0: a non-zero spread would flag non-determinism. Extras per pass: perplexities,
 bits per weight (``quantize.gptq_artifact_bits`` for every GPTQ artifact alike) and, once per
 arm, the per-layer weight SNR of the dequantized artifact against the source.
@@ -101,16 +102,16 @@ ARMS: tuple[FidelityArm, ...] = (
                 flags=("--method", "gptq", NO_HEAD)),
     FidelityArm("gptq-natural-order", "GPTQ, natural column order", "cpu-quant",
                 flags=("--method", "gptq", "--no-act-order", NO_HEAD)),
-    FidelityArm("gptq+head", "GPTQ, output head quantized too", "cpu-quant",
-                flags=("--method", "gptq")),
-    FidelityArm("gptq+head-g32", "GPTQ, head quantized in groups of 32", "cpu-quant",
-                flags=("--method", "gptq", "--head-group", "32")),
+    FidelityArm("gptq+head", "GPTQ, head quantized in groups of 32, smoothing folded in",
+                "cpu-quant", flags=("--method", "gptq")),
+    FidelityArm("gptq+head-plain", "GPTQ, head quantized in the run's group, no smoothing",
+                "cpu-quant", flags=("--method", "gptq", "--no-smooth", "--head-group", "128")),
+    FidelityArm("gptq+head-nosmooth", "GPTQ, head quantized in groups of 32, no smoothing",
+                "cpu-quant", flags=("--method", "gptq", "--no-smooth")),
+    FidelityArm("gptq+head-g128", "GPTQ, head quantized in the run's group, smoothing folded in",
+                "cpu-quant", flags=("--method", "gptq", "--head-group", "128")),
     FidelityArm("gptq+head+w4a8-hess", "GPTQ, head quantized, Hessians of int8 activations",
                 "cpu-quant", flags=("--method", "gptq", "--w4a8-hessians")),
-    FidelityArm("gptq+head+smooth", "GPTQ, head quantized, activation smoothing folded in",
-                "cpu-quant", flags=("--method", "gptq", "--smooth")),
-    FidelityArm("gptq+head+smooth-g32", "GPTQ, smoothing folded in, head in groups of 32",
-                "cpu-quant", flags=("--method", "gptq", "--smooth", "--head-group", "32")),
     FidelityArm("tinygemm-asym", "tinygemm cpu_int4, asymmetric", "cpu-quant",
                 subcommand="tinygemm", flags=(NO_HEAD,)),
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),

@@ -18,7 +18,8 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
 **Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme ARM`` exports
 the source with ``cpu_quant.export.pipeline.export_phone`` (static KV cache, ``prefill`` and
 ``decode`` methods, verification of the ``.pte`` against the float source on 16 held-out
-windows of 128 tokens included) into the arm's build directory. The harness records the build's wall time and peak
+windows of 128 tokens included) into the arm's build directory. The harness records the build's
+wall time and peak
 RssAnon (``result["builds"]``); the export's own phase times (load, quantize and lower, write,
 verify) are in every pass's extras. Export time is a single measurement per run, not a median.
 

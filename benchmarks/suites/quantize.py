@@ -225,7 +225,14 @@ def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
         problems.append(f"scale_search {s['scale_search']} with flags {flags}")
     if s.get("w4a8_hessians", False) != ("--w4a8-hessians" in flags):
         problems.append(f"w4a8_hessians {s.get('w4a8_hessians')} with flags {flags}")
-    if s.get("smooth", False) != ("--smooth" in flags):
+    # gptq's default folds smoothing for calibrated GPTQ on the symmetric grid of a model it
+    # can fold (the plan's notes say when the model is why not)
+    unfoldable = any(n.startswith("activation smoothing not folded")
+                     for n in report.get("plan_notes", []))
+    default_smooth = (method == "gptq" and calibrated and s.get("symmetric", True)
+                      and not unfoldable)
+    want_smooth = "--smooth" in flags or ("--no-smooth" not in flags and default_smooth)
+    if s.get("smooth", False) != want_smooth:
         problems.append(f"smooth {s.get('smooth')} with flags {flags}")
     head_group = int(flags[flags.index("--head-group") + 1]) if "--head-group" in flags else None
     if s.get("head_group") != head_group:

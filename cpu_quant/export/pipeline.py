@@ -36,6 +36,7 @@ from ..data.corpus import load_texts
 from ..errors import CpuQuantError, Interrupted, VerificationFailed
 from ..io.artifact import StagedOutput, check_destination
 from ..io.checkpoint import check_float_weights, load_tokenizer, open_checkpoint
+from ..quantize.smooth_fold import load_factors
 from . import qnn, readback, xnnpack
 from . import weights as phone_weights
 from .model import (
@@ -48,7 +49,6 @@ from .model import (
 )
 from .report import count_ops, float32_bytes, json_safe, provenance, sha256_file
 from .runner import GraphShape, StaticKVRunner
-from ..quantize.smooth_fold import load_factors
 from .smooth import smooth_static_lm
 from .verify import PROMPTS, pte_step_functions, score_heldout, screen, verify
 
@@ -356,8 +356,7 @@ def gptq_command(src: Path, target: Path, settings: PhoneExportSettings, quiet: 
             "--seqlen", str(gptq.seqlen), "--threads", str(torch.get_num_threads()), "--no-eval"]
     if gptq.positive_scales:
         argv.append("--positive-scales")
-    if gptq.smooth:
-        argv.append("--smooth")
+    argv.append("--smooth" if gptq.smooth else "--no-smooth")  # not the command's default
     if gptq.calib is not None:
         argv += ["--calib", str(gptq.calib)]
     return argv + (["--quiet"] if quiet else [])

@@ -221,7 +221,6 @@ def check_same_source(quantized: str | Path, src: str | Path) -> None:
     ``gptq --smooth`` artifact: the source's folded with its factors): codes from another model
     would otherwise pass every shape check."""
     from ..io.checkpoint import open_checkpoint
-
     from ..quantize.smooth_fold import load_factors, smoothed_source
 
     art, ref = open_checkpoint(quantized), open_checkpoint(src)

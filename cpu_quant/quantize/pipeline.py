@@ -25,7 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -49,7 +49,14 @@ from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, on
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
-from .plan import HEAD_NAME, LinearPlan, check_group, dynamic_overrides, plan_linear
+from .plan import (
+    HEAD_NAME,
+    LinearPlan,
+    check_group,
+    dynamic_overrides,
+    head_group,
+    plan_linear,
+)
 from .provenance import provenance
 from .resume import (
     STATE_FILE,
@@ -238,9 +245,9 @@ def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits
                                  settings.strict_group, limits)
                for name, m in stream.linears(i).items()} for i in range(stream.n_layers)]
     vocab, hidden_size = stream.ckpt.shape(stream.head_weight_name())
-    head = plan_linear(HEAD_NAME, hidden_size, vocab, settings.head_group or settings.group_size,
-                       settings.strict_group, limits, quantize=settings.quantize_head,
-                       flag="--head-group" if settings.head_group else "--group")
+    group, flag = head_group(settings, hidden_size, limits)
+    head = plan_linear(HEAD_NAME, hidden_size, vocab, group, settings.strict_group, limits,
+                       quantize=settings.quantize_head, flag=flag)
     return layers, head
 
 
@@ -290,6 +297,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")
         check_source(ckpt, settings)
+        smooth_note = None
+        if settings.smooth is None:  # the default: fold where it applies, say why not
+            smooth, smooth_note = smooth_fold.default_smoothing(ckpt.config, settings)
+            settings = replace(settings, smooth=smooth)
         if settings.smooth and (why := smooth_fold.refuse(ckpt.config)):
             ckpt.close()
             raise CpuQuantError(why)
@@ -428,6 +439,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason],
                                     settings.group_size)
         report.plan_notes = [f"{p.name}: {p.reason}" for p in all_plans if p.reason]
+        if smooth_note:
+            report.plan_notes.append(smooth_note)
         report.tensors = [TensorReport(**t) for t in state.tensors]
         report.layer_seconds = state.layer_seconds
         report.bits_per_weight = round(state.bits_codes / max(state.n_weights, 1), 4)

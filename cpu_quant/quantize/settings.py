@@ -18,7 +18,7 @@ class QuantSettings:
     act_order: bool = True  # static groups: the saved layout is the same either way
     damp: float = 0.01
     quantize_head: bool = True
-    head_group: int | None = None  # None: same rule as every other module
+    head_group: int | None = None  # None: plan.head_group's default
     strict_group: bool = False
     calib: str | None = None  # None = built-in corpus; "none" = data-free (RTN only)
     samples: int = 128
@@ -32,8 +32,9 @@ class QuantSettings:
     positive_scales: bool = False
     # GPTQ's Hessians from the int8-per-token activations vLLM's W4A8 kernel multiplies
     w4a8_hessians: bool = False
-    # activation smoothing folded into the weights before GPTQ (smooth_fold.py)
-    smooth: bool = False
+    # activation smoothing folded into the weights before GPTQ (smooth_fold.py); None: where
+    # it applies (smooth_fold.default_smoothing), the gptq command's default
+    smooth: bool | None = False
 
     def validate(self) -> None:
         if self.method not in METHODS:

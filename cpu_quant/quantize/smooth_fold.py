@@ -92,6 +92,17 @@ def refuse(config: dict) -> str | None:
     return f"--smooth cannot fold into a {mt} model: {reason} (folded: {', '.join(SUPPORTED)})"
 
 
+def default_smoothing(config: dict, settings) -> tuple[bool, str | None]:
+    """Whether the default (``gptq`` without ``--smooth`` or ``--no-smooth``) folds smoothing
+    into this run, and the plan's note when the model is why not. It folds for calibrated GPTQ
+    on the symmetric grid, on the models it can fold."""
+    if settings.method != "gptq" or settings.data_free or not settings.symmetric:
+        return False, None
+    why = refuse(config)
+    return (False, f"activation smoothing not folded: {why.removeprefix('--smooth ')}") if why \
+        else (True, None)
+
+
 def layer_folds(prefix: str, n_heads: int, n_kv_heads: int, head_dim: int,
                 names: set[str]) -> list[Fold]:
     """The four folds of one decoder layer whose parameters start with ``prefix``."""

@@ -37,6 +37,8 @@ from pathlib import Path
 # interrupted run in the bases was made with the same settings (TINY_SETTINGS)
 TINY_CALIB = ["--group", "32", "--samples", "2", "--seqlen", "32", "--batch-size", "1",
               "--no-eval"]
+# the interrupted run's settings; smooth=None is the gptq command's default (folded where it
+# applies), so that `gptq --resume` with the same options continues it
 TINY_SETTINGS = {"group_size": 32, "samples": 2, "seqlen": 32, "batch_size": 1}
 RTN = ["--method", "rtn", "--calib", "none", "--group", "32", "--no-eval"]
 # the bases' artifacts: their values do not matter, only that they are whole (no scale search: faster)
@@ -129,7 +131,7 @@ def build_bases(root: Path, model: Path | None = None) -> Bases:
     partial.mkdir()
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(model, partial / "out",
-                            QuantSettings(**TINY_SETTINGS, calib=str(calib)),
+                            QuantSettings(**TINY_SETTINGS, calib=str(calib), smooth=None),
                             progress=False, on_layer=stop)
     assert (partial / ".out.partial" / "cpu_quant_state.json").is_file()
     return Bases(model, other, quant, root / "cpu_int4", partial, calib)
