@@ -105,6 +105,8 @@ def default_gptq_knob() -> str:
 
 KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
          "gptq": default_gptq_knob(),
+         "gptq_head128": default_gptq_knob(),
+         "gptq_head_bf16": default_gptq_knob(),
          "gptq_stock": STOCK_GPTQ_KNOB}
 # arms that serve another arm's artifact with a switch of the plugin set
 SAME_ARTIFACT = {"gptq_stock": "gptq"}
@@ -286,19 +288,32 @@ def _random_qwen(dst: Path) -> Path:
     return dst
 
 
-def _quantized(src: Path, dst: Path, fmt: str) -> Path:
+def _quantized(src: Path, dst: Path, arm: str) -> Path:
     from cpu_quant.formats import get_format
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     if not (dst / "config.json").is_file():
-        # the gptq arm on the symmetric grid, the cpu_int4 arm on the asymmetric one
+        # the gptq arms on the symmetric grid, the cpu_int4 arm on the asymmetric one
+        fmt = "cpu_int4" if arm == "cpu_int4" else "gptq"
         settings = QuantSettings(method="rtn", calib="none", scale_search=False,
-                                 symmetric=fmt == "gptq")
+                                 symmetric=fmt == "gptq", **HEAD_LAYOUT.get(arm, {}))
         quantize_checkpoint(src, dst, settings, [get_format(fmt)], overwrite=True, progress=True)
     return dst
 
 
-ARMS = ("bf16", "gptq", "gptq_stock", "cpu_int4")
+def _head_layouts() -> dict[str, dict]:
+    from cpu_quant.quantize.plan import HEAD_GROUP
+
+    # the head as `cpu-quant gptq` lays it out by default (RTN alone would take --group's
+    # rule), and the two alternatives whose decode cost the head's choice weighs
+    return {"gptq": {"head_group": HEAD_GROUP}, "gptq_head128": {"head_group": 128},
+            "gptq_head_bf16": {"quantize_head": False}}
+
+
+HEAD_LAYOUT = _head_layouts()
+ARMS = ("bf16", "gptq", "gptq_head128", "gptq_head_bf16", "gptq_stock", "cpu_int4")
+# arms that only weigh the head's layout: not in a smoke run (the gptq arm runs the same path)
+HEAD_ARMS = ("gptq_head128", "gptq_head_bf16")
 
 
 def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str] = ARMS,

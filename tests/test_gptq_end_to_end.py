@@ -116,15 +116,18 @@ def _vllm_greedy(model_dir: Path, prompts: list[list[int]], tmp_path: Path,
 @needs_stock_vllm_gptq_kernel
 def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifact, demo_src,
                                                                       tmp_path):
-    """The default build folds activation smoothing into norms and rows only: stock vLLM loads
-    the checkpoint as any GPTQ one and generates the greedy tokens of its dequantized weights;
-    ``verify --source`` reads the source through the same folds and finds every module."""
+    """The default build folds activation smoothing into norms and rows only, and puts the head
+    in groups of 32 through a ``dynamic`` override: stock vLLM loads the checkpoint as any GPTQ
+    one and generates the greedy tokens of its dequantized weights; ``verify --source`` reads
+    the source through the same folds and finds every module."""
     from transformers import AutoTokenizer
 
     from cpu_quant.quantize.smooth_fold import load_factors
     from cpu_quant.verify.source import compare_with_source
 
     assert load_factors(gptq_artifact) is not None
+    dynamic = json.loads((gptq_artifact / "config.json").read_text())["quantization_config"]["dynamic"]
+    assert [v["group_size"] for k, v in dynamic.items() if "lm_head" in k] == [32], dynamic
     src_norm = open_checkpoint(demo_src).tensor("model.layers.3.input_layernorm.weight")
     art_norm = open_checkpoint(gptq_artifact).tensor("model.layers.3.input_layernorm.weight")
     assert not torch.equal(src_norm, art_norm)  # the fold is really in the checkpoint

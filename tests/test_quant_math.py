@@ -435,10 +435,10 @@ def test_the_head_takes_groups_of_32_under_calibrated_symmetric_gptq_only():
 
     limits = get_format("gptq").limits
     assert head_group(QuantSettings(), 576, limits) == (HEAD_GROUP, "--group")
-    assert head_group(QuantSettings(group_size=-1), 576, limits) == (HEAD_GROUP, "--group")
     # an explicit --head-group wins; elsewhere the head follows --group's rule
     assert head_group(QuantSettings(head_group=128), 576, limits) == (128, "--head-group")
-    for other in (QuantSettings(group_size=32), QuantSettings(method="rtn"),
+    for other in (QuantSettings(group_size=32), QuantSettings(group_size=-1),
+                  QuantSettings(method="rtn"),
                   QuantSettings(symmetric=False), QuantSettings(method="rtn", calib="none")):
         assert head_group(other, 576, limits) == (other.group_size, "--group")
     assert head_group(QuantSettings(), 48, limits) == (128, "--group")  # 32 does not divide 48

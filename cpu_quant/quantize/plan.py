@@ -68,12 +68,13 @@ def choose_group(name: str, in_features: int, requested: int, strict: bool, limi
 def head_group(settings, hidden_size: int, limits: Limits) -> tuple[int, str]:
     """The head's requested group and the flag it comes from: ``--head-group`` when given;
     else :data:`HEAD_GROUP` for calibrated symmetric GPTQ whose ``--group`` is larger, when it
-    divides the head's in-features and the formats store it; else ``--group``."""
+    divides the head's in-features and the formats store it; else ``--group`` (``-1``, one
+    scale per row, stays that: the phone's 16a4w stores nothing else)."""
     if settings.head_group is not None:
         return settings.head_group, "--head-group"
     g = settings.group_size
     if (settings.method == "gptq" and settings.symmetric and not settings.data_free
-            and (g == -1 or g > HEAD_GROUP) and hidden_size % HEAD_GROUP == 0
+            and g > HEAD_GROUP and hidden_size % HEAD_GROUP == 0
             and HEAD_GROUP in limits.groups):
         return HEAD_GROUP, "--group"
     return g, "--group"
