@@ -9,7 +9,7 @@ quant-linear modules) and the logits of one forward. Here they are held to
 Artifacts:
 
 * ``gptq_artifact`` (conftest): the real default job on the demo model: group 128 with
-  group-64 ``dynamic`` overrides (hidden 576), quantized ``lm_head`` (group 64),
+  group-64 ``dynamic`` overrides (hidden 576), quantized ``lm_head`` (group 32),
   ``tie_word_embeddings: false``, v1 ``qzeros``, bf16 (partly negative) scales, 31 shards.
 * ``uniform_artifact``: data-free plain RTN on the demo model, ``--group 64 --no-lm-head``: one
   group for every module and a bf16 head, the only shape transformers+optimum can represent.
@@ -240,7 +240,7 @@ def test_gptqmodel_loader_dequantizes_the_default_artifact_identically(peer, gpt
     assert run.result["model_dtype"] == "bfloat16"
     assert run.result["tie_word_embeddings"] is False
     # the head and both override groups really reached GPTQModel's modules
-    assert run.modules["lm_head"]["group_size"] == 64
+    assert run.modules["lm_head"]["group_size"] == 32
     assert run.modules["model.layers.0.self_attn.q_proj"]["group_size"] == 64
     assert run.modules["model.layers.0.mlp.down_proj"]["group_size"] == 128
     assert_matches_ours(run, gptq_artifact, tokens)
