@@ -125,6 +125,8 @@ def markdown_table(path: Path, relative_to: Path) -> str:
             if cmp_ and cmp_["ratio_median"] is not None:
                 cell += (f"<br>×{cmp_['ratio_median']:.3g} [{cmp_['ratio_min']:.3g}–"
                          f"{cmp_['ratio_max']:.3g}]")
+                if r.get("baseline_of"):
+                    cell += f" vs `{r['baseline_of'][arm]}`"
             if cmp_:
                 cell += f"<br>{cmp_['verdict']}"
             cells.append(cell)
