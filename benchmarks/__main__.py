@@ -11,7 +11,9 @@ calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and R
 GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
 tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against llama.cpp's own
 4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats) and
-``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model).
+``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
+``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
+architecture).
 
 ``run`` exits 0 when every pass succeeded, 1 when any pass failed (the result file is written
 either way, failures included), 2 on a usage error. Suites are modules under

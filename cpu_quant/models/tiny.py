@@ -1,6 +1,6 @@
 """Tiny random decoder-only models of every architecture cpu-quant supports, with the demo
-tokenizer: the unit tests' models (:data:`UNIT`) and the ``fidelity-archs`` benchmark's larger
-ones (:data:`BENCH`), from one definition.
+tokenizer: the unit tests' models (:data:`UNIT`) and the larger ones of the ``fidelity_archs``
+benchmark (``benchmarks/suites/fidelity_archs.py``), from one definition.
 
 A model is a transformers config class, the few keys its architecture needs
 (:data:`TINY_ARCHS`), a :class:`TinyShape` and a seed; it is saved as bf16 safetensors with the
