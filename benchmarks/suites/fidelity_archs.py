@@ -22,23 +22,29 @@ folded (``extras.smooth``), and the artifacts' digests in the provenance show th
 **The models** (``cpu_quant.models.tiny.make_tiny_model``, seed 0, the demo tokenizer's 49152
 tokens): hidden 256, intermediate 512, 4 layers, 4 heads (head_dim 64), 2 kv heads, the head
 tied or untied as the architecture's config class has it (gemma2, gemma3 tied; the others
-untied). **Init scale**: every weight drawn with std ``1/sqrt(hidden)`` = 0.0625 (LeCun's
-fan-in rule: a linear reading the hidden state maps unit-RMS inputs to unit-RMS outputs)
-instead of transformers' 0.02. At 0.02 the logits have std 0.32 and the next-token entropy is
-10.75 nats, against 10.80 for uniform over 49152 tokens, so quantization barely moves the
-distribution; at 0.0625 the logits have std 1.0 (entropy 10.3, llama), and the default arm's
-held-out KL on llama was 0.043 nats in a trial run (for scale, the demo model's logits have std
-3.6). The rule was chosen before any arm was compared and is the same for every architecture
-and arm. Random weights have no outlier channels, which is what smoothing is for on trained
-models: these numbers say whether a method hurts or helps on each architecture's layer
-layout, not how much it helps a trained model (the ``fidelity`` suite on the demo model does).
+untied). Mistral without a sliding window has Llama's layer layout, so the same seed gives it
+Llama's weights: its rows repeat Llama's (the digests differ only by ``config.json``).
+
+**Init scale**: every weight drawn with std ``1/sqrt(hidden)`` = 0.0625 (LeCun's fan-in rule:
+a linear reading the hidden state maps unit-RMS inputs to unit-RMS outputs) instead of
+transformers' 0.02. At 0.02 the logits have std 0.32 and the next-token entropy is 10.75 nats,
+against 10.80 for uniform over 49152 tokens, so quantization barely moves the distribution; at
+0.0625 the logits have std 1.0 (entropy 10.3, llama), and the default arm's held-out KL on
+llama was 0.043 nats in a trial run (for scale, the demo model's logits have std 3.6). The rule
+was chosen before any arm was compared and is the same for every architecture and arm. Random
+weights have no outlier channels, which is what smoothing is for on trained models: these
+numbers say whether a method hurts or helps on each architecture's layer layout, not how much
+it helps a trained model (the ``fidelity`` suite on the demo model does).
 
 **Sizes.** Calibration: the built-in austen corpus, 32 windows × 512 tokens, group 128 (the
 demo suites' 128 × 512 costs about 19 s per artifact here, × 28 artifacts). Evaluation:
 ``fidelity.eval_argv`` (``cpu-quant eval ART --reference SRC ... --w4a8``) with 4 held-out
 windows × 512 tokens and 4 greedy prompts × 32 tokens, not ``EVAL_REAL``'s 16 × 512 and 12
-prompts: 28 arms × 3 passes of ``EVAL_REAL`` take about 35 minutes on 2 cores. The evaluation
-is deterministic, so each arm's spread over passes is expected to be 0. Metrics are the
+prompts: 28 arms × 3 passes of ``EVAL_REAL`` would take about 35 minutes on 2 cores; at these
+sizes the whole run took 28 minutes (fidelity_archs-20261204T205049Z.json). The evaluation
+is deterministic, so each arm's spread over passes is expected to be 0 and the harness'
+verdict ranks any difference: read a difference against ``extras.kl_stderr``, the KL's
+standard error over the 2044 scored tokens (about 1 % of the KL here). Metrics are the
 ``fidelity`` suite's (``kl_mean`` with bf16 activations, ``kl_mean_w4a8`` with int8-per-token
 activations, top-1, greedy, perplexity delta); extras add the KL's standard error.
 
