@@ -11,7 +11,9 @@ calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and R
 GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
 tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against llama.cpp's own
 4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats) and
-``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model).
+``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
+``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
+architecture).
 
 ``run`` exits 0 when every pass succeeded, 1 when any pass failed (the result file is written
 either way, failures included), 2 on a usage error. Suites are modules under
@@ -125,6 +127,8 @@ def markdown_table(path: Path, relative_to: Path) -> str:
             if cmp_ and cmp_["ratio_median"] is not None:
                 cell += (f"<br>×{cmp_['ratio_median']:.3g} [{cmp_['ratio_min']:.3g}–"
                          f"{cmp_['ratio_max']:.3g}]")
+                if r.get("baseline_of"):
+                    cell += f" vs `{r['baseline_of'][arm]}`"
             if cmp_:
                 cell += f"<br>{cmp_['verdict']}"
             cells.append(cell)

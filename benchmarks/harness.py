@@ -14,7 +14,8 @@ Rules it enforces (``shared/MEASURING.md``), each pinned by ``tests/test_bench_h
 * **Verdict.** Against the suite's baseline arm: ``"no difference"`` when the medians differ by
   no more than the larger of the two spreads; otherwise which arm is better. Ratios
   ``arm / baseline`` are taken per pass (same pass = same machine conditions) and reported
-  with their median and range.
+  with their median and range. A suite whose arms fall into groups (one model each, say)
+  names each arm's own baseline in ``baseline_of``.
 * **Failures.** A pass whose command exits non-zero, times out, or whose output cannot be read
   is recorded with its exit status, error and the tail of its stderr, and counted; it is never
   dropped, and ``python -m benchmarks`` exits non-zero when any pass failed.
@@ -25,7 +26,7 @@ Result file (JSON, ``<out>/<suite>[-smoke]-<UTC time>.json``, written atomically
 run goes on, ``<same name>.partial.json`` holds every pass recorded so far, with
 ``"complete": false``, and is removed when the full result is written)::
 
-    {"suite", "complete", "description", "smoke", "passes", "baseline",
+    {"suite", "complete", "description", "smoke", "passes", "baseline", "baseline_of",
      "metrics": [{name, unit, better, ratio}],
      "arms": {name: settings}, "skipped_arms": [{"arm", "reason"}], "notes": [...],
      "builds": {arm: RunRecord}, "records": [PassRecord, ...],
@@ -207,6 +208,9 @@ class Suite:
     arms: list[Arm]
     settings: dict
     baseline: str | None = None
+    # arm -> the arm it is compared with, where not ``baseline`` (an arm mapped to itself is a
+    # baseline: it gets no comparison)
+    baseline_of: dict[str, str] = field(default_factory=dict)
     skipped: list[SkippedArm] = field(default_factory=list)
     inputs: dict[str, Path] = field(default_factory=dict)  # hashed into provenance
     peers: dict[str, dict] = field(default_factory=dict)
@@ -371,15 +375,16 @@ def summarize(metrics: Sequence[Metric], arm_names: Sequence[str], passes: int,
 
 
 def compare_all(metrics: Sequence[Metric], summary: dict[str, dict[str, Stats]],
-                baseline: str | None, min_passes: int) -> dict[str, dict[str, dict]]:
-    if baseline is None or baseline not in summary:
-        return {}
+                baseline: str | None, min_passes: int,
+                baseline_of: dict[str, str] | None = None) -> dict[str, dict[str, dict]]:
+    """Each arm against its baseline: ``baseline_of[arm]`` when given, else ``baseline``."""
     out: dict[str, dict[str, dict]] = {}
     for arm, per_metric in summary.items():
-        if arm == baseline:
+        base = (baseline_of or {}).get(arm, baseline)
+        if base is None or base == arm or base not in summary:
             continue
-        out[arm] = {m.name: compare(m, summary[baseline][m.name].values,
-                                    per_metric[m.name].values, baseline, arm, min_passes)
+        out[arm] = {m.name: compare(m, summary[base][m.name].values,
+                                    per_metric[m.name].values, base, arm, min_passes)
                     for m in metrics}
     return out
 
@@ -474,7 +479,8 @@ def run_suite(suite: Suite, passes: int, smoke: bool, out_dir: Path, workdir: Pa
 
     min_passes = MIN_PASSES
     summary = summarize(suite.metrics, names, passes, records)
-    comparisons = compare_all(suite.metrics, summary, suite.baseline, min_passes)
+    comparisons = compare_all(suite.metrics, summary, suite.baseline, min_passes,
+                              suite.baseline_of)
     artifacts: dict[str, Path | dict] = dict(suite.inputs)
     for r in records:
         for label, digest in r.artifacts.items():
@@ -490,6 +496,7 @@ def run_suite(suite: Suite, passes: int, smoke: bool, out_dir: Path, workdir: Pa
         "smoke": smoke,
         "passes": passes,
         "baseline": suite.baseline,
+        "baseline_of": dict(suite.baseline_of),
         "metrics": [asdict(m) for m in suite.metrics],
         "arms": {a.name: a.settings for a in suite.arms},
         "order": schedule(names, passes),
@@ -538,7 +545,8 @@ def format_table(result: dict) -> str:
                     f"best {_fmt(st['best'], m['unit'])} n={st['n']} failed={st['failed']}")
             cmp_ = result["comparisons"].get(arm, {}).get(m["name"])
             if cmp_:
-                cell += (f" | x{_fmt(cmp_['ratio_median'])} vs {result['baseline']} "
+                base = result.get("baseline_of", {}).get(arm, result["baseline"])
+                cell += (f" | x{_fmt(cmp_['ratio_median'])} vs {base} "
                          f"[{_fmt(cmp_['ratio_min'])}..{_fmt(cmp_['ratio_max'])}]: "
                          f"{cmp_['verdict']}")
             lines.append(f"   {arm:<24} {cell}")

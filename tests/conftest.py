@@ -226,45 +226,10 @@ def rtn_search_artifact(demo_src: Path, artifacts_dir: Path) -> Path:
                                            *SMALL_CALIB, "--no-eval"))
 
 
-def tokenizer_files(demo_src: Path, dst: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (demo_src / name).exists():
-            shutil.copy(demo_src / name, dst / name)
-
-
-TINY_ARCHS = {
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 64}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
-                                    "sliding_window": 64}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-}
-
-
-def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: int = 49152) -> Path:
-    """A tiny random decoder-only model of ``arch`` saved as bf16 safetensors + the demo tokenizer."""
-    import torch
-    import transformers
-
-    cls_name, extra = TINY_ARCHS[arch]
-    cfg_cls = getattr(transformers, cls_name)
-    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=True)
-    kwargs.update(extra)
-    config = cfg_cls(**kwargs)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(dst)
-    tokenizer_files(demo_src, dst)
-    return dst
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(demo_src: Path, tmp_path_factory) -> Path:
+    from cpu_quant.models.tiny import make_tiny_model
+
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", demo_src)
 
 

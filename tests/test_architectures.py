@@ -13,10 +13,9 @@ import torch
 
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.models.tiny import TINY_ARCHS, make_tiny_model
 from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 from cpu_quant.quantize.streaming import LayerStream
-
-from .conftest import TINY_ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_ARCHS))

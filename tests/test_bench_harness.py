@@ -163,6 +163,18 @@ def test_run_suite_interleaves_with_rotation_and_writes_the_result(tmp_path):
     assert all(r["cpu_seconds"] is not None and r["cpu_seconds"] >= 0 for r in result["records"])
 
 
+def test_arms_in_groups_are_compared_with_their_own_baseline():
+    summary = {arm: {"seconds": harness.stats(TIME, [v] * 3)}
+               for arm, v in {"x:a": 2.0, "x:b": 1.0, "y:a": 4.0, "y:b": 4.0}.items()}
+    groups = {"x:a": "x:a", "x:b": "x:a", "y:a": "y:a", "y:b": "y:a"}
+    got = harness.compare_all([TIME], summary, None, 3, groups)
+    assert set(got) == {"x:b", "y:b"}  # a group's baseline is not compared with itself
+    assert got["x:b"]["seconds"]["ratio_median"] == 0.5
+    assert got["y:b"]["seconds"]["verdict"] == harness.NO_DIFFERENCE
+    # without groups: everything against the one baseline, as before
+    assert set(harness.compare_all([TIME], summary, "x:a", 3)) == {"x:b", "y:a", "y:b"}
+
+
 def test_cpu_seconds_count_the_child_tree_not_the_harness():
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
     run = harness.run_measured(Command(_py(burn)))

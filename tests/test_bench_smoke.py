@@ -1,5 +1,5 @@
-"""Smoke runs of the ``quantize``, ``fidelity``, ``memory``, ``runtime`` and ``phone`` benchmark
-suites, so the harness cannot rot.
+"""Smoke runs of the ``quantize``, ``fidelity``, ``memory``, ``runtime``, ``phone``, ``eval`` and
+``fidelity_archs`` benchmark suites, so the harness cannot rot.
 
 One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 × 64
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
@@ -205,3 +205,34 @@ def test_eval_suite_smoke(tmp_path_factory):
     (record,) = result["records"]
     assert record["ok"] and record["metrics"]["wall_seconds"] > 0
     assert record["metrics"]["cpu_seconds"] > 0
+
+
+def test_fidelity_archs_suite_smoke(tmp_path_factory):
+    from benchmarks.suites.fidelity_archs import SMOKE_ARCHS, SMOKE_ROWS, arm_name
+
+    result = _run_smoke("fidelity_archs", tmp_path_factory.mktemp("bench-fidelity-archs"))
+    arms = {arm_name(arch, row) for arch in SMOKE_ARCHS for row in SMOKE_ROWS}
+    _check_common(result, arms)
+    assert set(result["builds"]) == arms
+    # each architecture is compared with its own default, never with another architecture
+    assert result["baseline_of"] == {a: a.split(":")[0] + ":gptq+head" for a in arms}
+    assert set(result["comparisons"]) == {arm_name(arch, "gptq+head-nosmooth")
+                                          for arch in SMOKE_ARCHS}
+    rec = {r["arm"]: r for r in result["records"]}
+    for r in rec.values():
+        m = r["metrics"]
+        assert m["kl_mean"] > 0 and m["kl_mean_w4a8"] > 0 and 0 <= m["top1_agreement"] <= 1
+        assert r["extras"]["kl_stderr"] > 0
+    digest = {a: r["artifacts"]["artifact"]["sha256"] for a, r in rec.items()}
+    # llama folds smoothing by default: --no-smooth reaches the pipeline and changes the weights
+    assert rec["llama:gptq+head"]["extras"]["smooth"] is True
+    assert rec["llama:gptq+head-nosmooth"]["extras"]["smooth"] is False
+    assert digest["llama:gptq+head"] != digest["llama:gptq+head-nosmooth"]
+    # gemma2 cannot fold it: both arms build the same artifact, and the report and notes say why
+    for row in SMOKE_ROWS:
+        ex = rec[arm_name("gemma2", row)]["extras"]
+        assert ex["smooth"] is False
+        assert any(n.startswith("activation smoothing not folded") for n in ex["plan_notes"]) \
+            == (row == "gptq+head")
+    assert digest["gemma2:gptq+head"] == digest["gemma2:gptq+head-nosmooth"]
+    assert any(n.startswith("gemma2: smoothing does not apply") for n in result["notes"])

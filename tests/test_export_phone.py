@@ -38,8 +38,9 @@ from cpu_quant.export.verify import (  # noqa: E402
     pte_step_functions,
     snr_db,
 )
+from cpu_quant.models.tiny import make_tiny_model  # noqa: E402
 
-from .conftest import SMALL_CALIB, build_once, make_tiny_model, run_cli  # noqa: E402
+from .conftest import SMALL_CALIB, build_once, run_cli  # noqa: E402
 
 SMALL = dict(max_seq_len=48, prefill_len=16, calib_len=48, calib_decode_tokens=4,
              verify_windows=2, verify_len=48, gen_tokens=8, gptq_samples=8, gptq_seqlen=64)

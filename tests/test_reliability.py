@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from .conftest import CLI, REPO, SMALL_CALIB, make_tiny_model, run_cli
+from cpu_quant.models.tiny import make_tiny_model
+
+from .conftest import CLI, REPO, SMALL_CALIB, run_cli
 from .hostile.generate import invoke
 
 

@@ -103,21 +103,11 @@ def expected_kv_blocks(model: Path, kv_bytes: int, block_size: int) -> int:
 def small_model(demo_src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-layer random Llama (head_dim 64, which vLLM's CPU attention takes) with the demo
     tokenizer: a real model for vLLM's loader, compiler and KV sizing, in seconds."""
-    import torch
-    import transformers
+    from cpu_quant.models.tiny import TinyShape, make_tiny_model
 
-    from .conftest import tokenizer_files
-
-    dst = tmp_path_factory.mktemp("small") / "llama-2l"
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(dst)
-    tokenizer_files(demo_src, dst)
-    return dst
+    shape = TinyShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)
+    return make_tiny_model("llama", tmp_path_factory.mktemp("small") / "llama-2l", demo_src,
+                           shape=shape)
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.models.tiny import TINY_ARCHS, make_tiny_model
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
 from cpu_quant.quantize.hessians import gram
 from cpu_quant.quantize.sequential import BatchStore, probe, run_true_sequential
 from cpu_quant.quantize.streaming import LayerStream
-
-from .conftest import TINY_ARCHS, make_tiny_model
 
 EXPECTED_GROUPS = {
     "phi3": (("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",),

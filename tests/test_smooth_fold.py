@@ -13,6 +13,7 @@ import torch
 
 from cpu_quant.errors import CpuQuantError
 from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.models.tiny import make_tiny_model
 from cpu_quant.quantize import smooth_fold
 from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 from cpu_quant.quantize.smooth_fold import (
@@ -24,8 +25,6 @@ from cpu_quant.quantize.smooth_fold import (
     refuse,
     w4a8_error,
 )
-
-from .conftest import make_tiny_model
 
 FOLDED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -18,8 +18,8 @@ import torch
 
 from cpu_quant.errors import CpuQuantError
 from cpu_quant.formats import gguf as G
+from cpu_quant.models.tiny import make_tiny_model
 from cpu_quant.quantize.grid import GroupQuant
-from tests.conftest import make_tiny_model
 from tests.helpers.gguf_rtn import feed, info_for, rtn_results, write_gguf
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")

@@ -103,9 +103,9 @@ def build_bases(root: Path, model: Path | None = None) -> Bases:
 
     from cpu_quant.data.corpus import builtin_split
     from cpu_quant.models.demo import demo_model_path
+    from cpu_quant.models.tiny import make_tiny_model
     from cpu_quant.quantize.pipeline import quantize_checkpoint
     from cpu_quant.quantize.settings import QuantSettings
-    from tests.conftest import make_tiny_model
 
     root.mkdir(parents=True, exist_ok=True)
     calib = root / "calib.txt"
