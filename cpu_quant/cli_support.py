@@ -167,9 +167,10 @@ def quantize_options(fn):
                           "weights, v_proj and up_proj rows; strength chosen per fold on the "
                           "W4A8 kernel's and the bf16 activations' errors). The checkpoint "
                           "stays in stock vLLM's format. Default: on for calibrated GPTQ on "
-                          "the symmetric grid of a Llama, Mistral, Qwen2 or Qwen3 model (on "
-                          "the demo model it cut held-out KL by a quarter), off elsewhere; "
-                          "--smooth on another architecture is refused. See docs/gptq.md."),
+                          "the symmetric grid of a Llama, Mistral or Qwen3 model (on the demo "
+                          "model it cut held-out KL by over a fifth), off elsewhere; --smooth "
+                          "folds it into Qwen2 and is refused on other architectures. See "
+                          "docs/gptq.md."),
         click.option("--no-lm-head", is_flag=True,
                      help="Keep the output head bf16 (costs decode speed; see docs/gptq.md)."),
         click.option("--head-group", type=int, default=None,

@@ -205,8 +205,9 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "be symmetric. W4A8 was measured on an AMX host in this project's origin; there "
                "a bf16 head cost more per decode step than the whole 4-bit saving, so keep the "
                "head quantized (in groups of 32 by default: demo model W4A8 KL 0.1017 against "
-               "0.1065 in groups of 64; its decode cost not measured on AMX). Activations are quantized to int8: use --priority fidelity if "
-               "that error matters more than speed",
+               "0.1065 in groups of 64; its decode cost not measured on AMX). Activations "
+               "are quantized to int8: use --priority fidelity if that error matters more "
+               "than speed",
         alternative="x86-tinygemm",
     ),
     Rule(

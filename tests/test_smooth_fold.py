@@ -159,6 +159,7 @@ def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_so
 @pytest.mark.parametrize(("arch", "settings", "folds"), [
     ("llama", QuantSettings(), True),
     ("qwen3", QuantSettings(), True),
+    ("qwen2", QuantSettings(), False),
     ("llama", QuantSettings(method="rtn"), False),
     ("llama", QuantSettings(symmetric=False), False),
     ("gemma2", QuantSettings(), False),
@@ -170,9 +171,10 @@ def test_the_default_folds_only_calibrated_symmetric_gptq_of_a_foldable_model(
     smooth, note = smooth_fold.default_smoothing(cfg, settings)
     assert smooth is folds
     # a model it cannot fold says why in the plan's notes; a setting that excludes it does not
-    assert (note is not None) == (arch in ("gemma2", "phi3"))
+    assert (note is not None) == (arch in ("gemma2", "phi3", "qwen2"))
     if note:
-        assert note.startswith("activation smoothing not folded: cannot fold into a")
+        assert note.startswith("activation smoothing not folded: ")
+        assert ("--smooth folds it" in note) == (arch == "qwen2")
 
 
 def test_the_gptq_default_smooths_and_reports_it_and_a_gemma_run_says_why_not(
