@@ -180,8 +180,10 @@ def _same(a: Path, b: Path) -> None:
 
 @pytest.mark.e2e
 def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp_path):
-    """2 ranks by torchrun, 3 and 4 by --nproc: the same tensors, bit for bit, and the report
-    records the world size, each rank's batches (disjoint, in order, all of them) and time."""
+    """2 ranks by torchrun, 3 and 4 by --nproc: the same tensors (the smoothing factors
+    included, whose 2 statistics batches leave 3 and 4 ranks some without any), bit for bit,
+    and the report records the world size, each rank's batches (disjoint, in order, all of
+    them) and time."""
     args = ["gptq", str(tiny), "--calib", str(calib_text), *TINY_CALIB]
     runs = {2: [*TORCHRUN, "--nproc-per-node", "2", "-m", "cpu_quant", *args[:2],
                 str(tmp_path / "r2"), *args[2:]]}
@@ -192,6 +194,7 @@ def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp
         assert proc.returncode == 0, proc.stderr[-3000:]
         _same(one_process, tmp_path / f"r{n}")
         report = json.loads((tmp_path / f"r{n}" / "quantization_report.json").read_text())
+        assert report["smoothing"]["folds"]  # the default folds smoothing: split over the ranks
         dist = report["distributed"]
         assert dist["world_size"] == n and dist["backend"] == "gloo"
         assert dist["launcher"] == ("torchrun" if n == 2 else "cpu-quant --nproc")

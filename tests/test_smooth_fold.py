@@ -123,6 +123,45 @@ def test_the_search_never_does_worse_than_no_smoothing():
         assert torch.equal(s2, torch.ones(64))
 
 
+# the demo model's four folds of a layer (scaled weights' sizes), and its head
+LAYER_COSTS = [960 * 576, 576 * 576, 3072 * 576, 576 * 1536]
+HEAD_COST = 49152 * 576
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_the_candidate_shares_cover_every_candidate_once(world):
+    """What a distributed run's ranks evaluate: every candidate of every fold exactly once, a
+    fold whole on one rank unless it outweighs a rank's share (the head), which is spread."""
+    for costs in (LAYER_COSTS, [HEAD_COST], [7, 7, 7]):
+        shares = smooth_fold.assign_candidates(costs, world)
+        assert len(shares) == world
+        for f in range(len(costs)):
+            got = [c for share in shares for c in share.get(f, ())]
+            assert sorted(got, key=smooth_fold.CANDIDATES.index) == list(smooth_fold.CANDIDATES)
+    loads = [sum(LAYER_COSTS[f] for f in share) for share in smooth_fold.assign_candidates(
+        LAYER_COSTS, 2)]
+    assert loads[0] == loads[1]  # gate/up against q/k/v, o and down
+    head = smooth_fold.assign_candidates([HEAD_COST], world)
+    assert sorted(len(share.get(0, ())) for share in head)[::-1] == [
+        len(range(r, len(smooth_fold.CANDIDATES), world)) for r in range(world)]
+
+
+def test_candidates_evaluated_apart_pick_what_all_at_once_picks():
+    """A fold's candidates split over ranks: the same factor and errors, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=gen)
+    x = torch.randn(512, 64, generator=gen)
+    x[:, 5] *= 40
+    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    s, choice = smooth_fold.choose(fold, x.abs().amax(0), x, [w], [32])
+    errors: dict = {}
+    for share in smooth_fold.assign_candidates([HEAD_COST], 3):
+        errors.update(smooth_fold.candidate_errors(fold, x.abs().amax(0), x, [w], [32],
+                                                   share[0]))
+    s2, choice2 = smooth_fold.pick(errors)
+    assert torch.equal(s, s2) and choice == choice2
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 def test_unfoldable_architectures_are_refused_before_any_work(arch, demo_src, tmp_path):
     src = make_tiny_model(arch, tmp_path / "src", demo_src)

@@ -8,6 +8,9 @@ differ, and the single process is the plain :class:`Team` (one rank, no transpor
 
 * **Data.** Rank ``r`` takes the contiguous share ``[n r / P, n (r+1) / P)`` of the ``n``
   calibration batches (:meth:`Team.shard`) and runs the layer-streaming passes on it.
+* **Smoothing.** The default's statistics pass (``smooth_fold.plan_smoothing``) forwards each
+  rank's share of its batches and shares out the folds' candidate strengths; the ranks
+  exchange the statistics and the candidates' errors (:meth:`Team.gather_objects`).
 * **Hessians, bit for bit.** One process sums a linear's ``XᵀX`` batch after batch, in batch
   order, in float32 (:class:`~cpu_quant.quantize.hessians.GramSum`). :class:`ChainedGramSum`
   makes exactly those additions, in that order, across the ranks: rank 0 adds its batches'
@@ -93,9 +96,13 @@ class Team:
         """Does this process write the artifact and the run state (rank 0)?"""
         return self.rank == 0
 
+    def share_of(self, n: int) -> range:
+        """This rank's contiguous share of ``n`` items (rank order is item order)."""
+        return range(n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
+
     def shard(self, n: int) -> range:
         """This rank's calibration batches (indices into the run's ``n``)."""
-        return range(n * self.rank // self.world_size, n * (self.rank + 1) // self.world_size)
+        return self.share_of(n)
 
     def new_sum(self, width: int) -> GramSum:
         return GramSum(width)
@@ -103,6 +110,10 @@ class Team:
     def from_writer(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         return obj
+
+    def gather_objects(self, obj: Any, what: str) -> list:
+        """Every rank's ``obj``, in rank order, on every rank (``what``: the step)."""
+        return [obj]
 
     def agree_on_run(self, fingerprint: dict[str, str]) -> None:
         """Refuse ranks whose source, settings or calibration tokens differ (before any work)."""

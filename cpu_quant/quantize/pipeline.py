@@ -313,11 +313,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             groups = {f"{p.name}.weight": p.effective_group
                       for plans in layer_plans for p in plans.values()}
             groups[smooth_fold.HEAD] = head_plan.effective_group
-            found = (smooth_fold.plan_smoothing(
+            folds, factors, choices = smooth_fold.plan_smoothing(
                 LayerStream(ckpt), batches[:smooth_fold.STATS_BATCHES], groups.__getitem__,
-                smooth_fold.HEAD if head_plan.quantize else None, progress)
-                if team.writer else None)
-            folds, factors, choices = team.from_writer(found)
+                smooth_fold.HEAD if head_plan.quantize else None, progress, team)
             ckpt = smooth_fold.SmoothedCheckpoint(ckpt, folds, factors)
             stream = LayerStream(ckpt)
             smoothing = smooth_fold.summary(choices, batches[:smooth_fold.STATS_BATCHES],

@@ -31,6 +31,7 @@ projections are refused, as is any model whose modules are not the Llama names a
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
+from .distributed import Team
 from .grid import QZERO, grouped
 from .smoothing import smoothing_scales
 
@@ -228,10 +230,16 @@ class Choice:
     error_unsmoothed: float
 
 
-def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list[torch.Tensor],
-           groups: list[int]) -> tuple[torch.Tensor, Choice]:
-    """The factor ``s`` of ``fold`` (per divided channel) with the least W4A8 error on
-    ``sample``; ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels)."""
+CANDIDATES: tuple[float | None, ...] = (None, *ALPHAS)  # None: no smoothing (s = 1)
+
+
+def candidate_errors(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor,
+                     weights: list[torch.Tensor], groups: list[int],
+                     candidates: tuple[float | None, ...] = CANDIDATES
+                     ) -> dict[float | None, tuple[torch.Tensor, float]]:
+    """Each candidate strength's factor ``s`` (per divided channel) and W4A8 error on
+    ``sample``; ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels).
+    Each candidate is computed on its own, so any subset gives the same values."""
     w32 = [w.float() for w in weights]
     x = sample.float()
     if fold.rep > 1:  # a v row's factor: over its rep heads' channels
@@ -242,19 +250,55 @@ def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list
     else:
         a, cols = absmax.float(), w32
     ys = [x @ w.T for w in w32]
-    base = w4a8_error(x, w32, None, groups, ys)
-    best_s, best = torch.ones_like(a), Choice(None, base, base)
+    out: dict[float | None, tuple[torch.Tensor, float]] = {}
+    for alpha in candidates:
+        if alpha is None:
+            out[alpha] = torch.ones_like(a), w4a8_error(x, w32, None, groups, ys)
+        else:
+            s = smoothing_scales(a, cols, alpha)
+            out[alpha] = s, w4a8_error(x, w32, fold.expand(s), groups, ys)
+    return out
+
+
+def pick(errors: dict[float | None, tuple[torch.Tensor, float]]) -> tuple[torch.Tensor, Choice]:
+    """The candidate with the least error (no smoothing first, then :data:`ALPHAS` in order;
+    a later one must be strictly better)."""
+    best_s, base = errors[None]
+    best = Choice(None, base, base)
     for alpha in ALPHAS:
-        s = smoothing_scales(a, cols, alpha)
-        err = w4a8_error(x, w32, fold.expand(s), groups, ys)
+        s, err = errors[alpha]
         if err < best.error:
             best_s, best = s, Choice(alpha, err, base)
     return best_s, best
 
 
+def choose(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor, weights: list[torch.Tensor],
+           groups: list[int]) -> tuple[torch.Tensor, Choice]:
+    """The factor ``s`` of ``fold`` with the least W4A8 error on ``sample`` (every candidate)."""
+    return pick(candidate_errors(fold, absmax, sample, weights, groups))
+
+
+def assign_candidates(costs: list[int], world: int) -> list[dict[int, tuple[float | None, ...]]]:
+    """Which rank evaluates which candidates of which fold (per rank: fold index -> candidates),
+    for one step's folds of the given costs. A fold goes whole to the least loaded rank,
+    heaviest first; a fold heavier than a rank's fair share (the head) has its candidates
+    shared out instead. Every rank computes the same shares from the same costs."""
+    work: list[dict[int, tuple[float | None, ...]]] = [{} for _ in range(world)]
+    load = [0.0] * world
+    fair = sum(costs) / world
+    for f in sorted(range(len(costs)), key=lambda f: (-costs[f], f)):
+        whole = world == 1 or costs[f] <= fair
+        for c in (CANDIDATES,) if whole else tuple((c,) for c in CANDIDATES):
+            r = min(range(world), key=lambda r: (load[r], r))
+            work[r][f] = work[r].get(f, ()) + c
+            load[r] += costs[f] * len(c) / len(CANDIDATES)
+    return work
+
+
 class FoldStats:
     """Forward pre-hooks on the reading linears: running per-channel ``max|x|`` and the first
-    :data:`SAMPLE_TOKENS` tokens spread over the batches seen."""
+    :data:`SAMPLE_TOKENS` tokens spread over the batches seen (``batches``: the statistics
+    pass's batches, of every rank)."""
 
     def __init__(self, modules: dict[str, torch.nn.Module], batches: int) -> None:
         self.absmax: dict[str, torch.Tensor] = {}
@@ -265,11 +309,17 @@ class FoldStats:
     def _hook(self, name: str) -> Callable:
         def hook(module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            m = x.abs().amax(0)
-            self.absmax[name] = m if name not in self.absmax else torch.maximum(self.absmax[name], m)
             step = max(1, x.shape[0] // self.per_batch)
-            self.samples[name].append(x[::step][: self.per_batch].clone())
+            self.add(name, x.abs().amax(0), x[::step][: self.per_batch].clone())
         return hook
+
+    def add(self, name: str, absmax: torch.Tensor | None, *samples: torch.Tensor) -> None:
+        """One batch's (or, merged from another rank, some batches') statistics of ``name``,
+        in batch order."""
+        if absmax is not None:
+            old = self.absmax.get(name)
+            self.absmax[name] = absmax if old is None else torch.maximum(old, absmax)
+        self.samples.setdefault(name, []).extend(samples)
 
     def close(self) -> None:
         for h in self.handles:
@@ -278,20 +328,53 @@ class FoldStats:
     def sample(self, name: str) -> torch.Tensor:
         return torch.cat(self.samples[name])[:SAMPLE_TOKENS]
 
+    def everyone(self, team: Team) -> FoldStats:
+        """The statistics of every rank's batches, on every rank: ``max|x|`` is the same in
+        any order, the samples go in rank order, which is batch order."""
+        mine = {n: (self.absmax.get(n), self.samples[n]) for n in self.samples}
+        merged = FoldStats({}, 1)
+        for part in team.gather_objects(mine, "the smoothing statistics"):
+            for name, (absmax, samples) in part.items():
+                merged.add(name, absmax, *samples)
+        return merged
+
 
 def _reader(fold: Fold) -> str:
     """The module (linear) whose input a fold smooths: its first scaled weight's module."""
     return fold.scale[0].removesuffix(".weight")
 
 
+Errors = dict[float | None, tuple[torch.Tensor, float]]
+
+
+def _evaluate(folds: list[Fold], weights: Callable[[Fold], list[torch.Tensor]],
+              stats: Callable[[Fold], tuple[torch.Tensor, torch.Tensor]],
+              group_of: Callable[[str], int], team: Team, into: dict[str, Errors]) -> None:
+    """This rank's share of the candidates of one step's ``folds`` (:func:`assign_candidates`)."""
+    costs = [sum(math.prod(w.shape) for w in weights(f)) for f in folds]
+    for f, candidates in assign_candidates(costs, team.world_size)[team.rank].items():
+        fold = folds[f]
+        absmax, sample = stats(fold)
+        into.setdefault(fold.key, {}).update(candidate_errors(
+            fold, absmax, sample, weights(fold), [group_of(n) for n in fold.scale], candidates))
+
+
 @torch.no_grad()
 def plan_smoothing(stream, batches: list[torch.Tensor], group_of: Callable[[str], int],
-                   head: str | None, progress: bool = False) -> tuple[list[Fold], dict, dict]:
+                   head: str | None, progress: bool = False, team: Team | None = None
+                   ) -> tuple[list[Fold], dict, dict]:
     """One float forward of ``stream`` (a fresh :class:`~.streaming.LayerStream`) over
     ``batches``; every fold with its chosen factor. ``group_of``: the effective group of a
-    linear (its weight's name) in the run's plan. Returns (folds, factors, choices)."""
+    linear (its weight's name) in the run's plan. Returns (folds, factors, choices).
+
+    In a distributed run (``team``) each rank forwards its share of ``batches`` and the ranks
+    exchange each layer's statistics; each evaluates its share of the folds' candidate
+    strengths (:func:`assign_candidates`), and every rank gets every error at the end and
+    picks alike. Every number is computed as one process computes it, so the factors are the
+    same bit for bit."""
     from tqdm import tqdm
 
+    team = team or Team()
     ckpt = stream.ckpt
     names = set(ckpt.names)
     norm = stream.final_norm()
@@ -303,38 +386,47 @@ def plan_smoothing(stream, batches: list[torch.Tensor], group_of: Callable[[str]
     for f in folds:
         m = pat.match(f.divide)
         by_layer.setdefault(int(m.group(1)) if m else -1, []).append(f)
-    factors: dict[str, torch.Tensor] = {}
-    choices: dict[str, dict] = {}
-    hidden = stream.capture(batches)
+    errors: dict[str, Errors] = {}  # fold key -> the candidates this rank evaluated
+    share = team.share_of(len(batches))
+    hidden = stream.capture(batches[share.start:share.stop])
     for i in tqdm(range(stream.n_layers), desc="smoothing", unit="layer", disable=not progress):
         layer = stream.load_layer(i)
         modules = dict(layer.named_modules())
         prefix = f"{stream.layers_prefix}.{i}."
         readers = {_reader(f): modules[_reader(f).removeprefix(prefix)] for f in by_layer[i]}
-        stats = FoldStats(readers, len(hidden))
+        stats = FoldStats(readers, len(batches))
         try:
             hidden = list(stream.forward_layer(i, hidden))
         finally:
             stats.close()
-        for f in by_layer[i]:
-            r = _reader(f)
-            weights = [modules[n.removeprefix(prefix).removesuffix(".weight")].weight
-                       for n in f.scale]
-            s, c = choose(f, stats.absmax[r], stats.sample(r), weights,
-                          [group_of(n) for n in f.scale])
-            factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
-                                                 "w4a8_error_unsmoothed": c.error_unsmoothed}
+        stats = stats.everyone(team)
+
+        def weights(f: Fold, modules=modules, prefix=prefix) -> list[torch.Tensor]:
+            return [modules[n.removeprefix(prefix).removesuffix(".weight")].weight for n in f.scale]
+
+        _evaluate(by_layer[i], weights,
+                  lambda f, stats=stats: (stats.absmax[_reader(f)], stats.sample(_reader(f))),
+                  group_of, team, errors)
         stream.unload_layer(i)
-    for f in by_layer.get(-1, []):  # the head: the final norm's output
-        stats_abs, samples = None, []
+    if by_layer.get(-1):  # the head: the final norm's output
+        per = max(1, HEAD_SAMPLE_TOKENS // max(len(batches), 1))
+        head_stats = FoldStats({}, len(batches))
         for h in hidden:
             x = norm(h.to(stream.compute)).reshape(-1, h.shape[-1]).float()
-            m = x.abs().amax(0)
-            stats_abs = m if stats_abs is None else torch.maximum(stats_abs, m)
-            per = max(1, HEAD_SAMPLE_TOKENS // len(hidden))
-            samples.append(x[::max(1, x.shape[0] // per)][:per])
+            head_stats.add(HEAD, x.abs().amax(0), x[::max(1, x.shape[0] // per)][:per].clone())
+        head_stats = head_stats.everyone(team)
         head_w = ckpt.tensor(stream.head_weight_name())
-        s, c = choose(f, stats_abs, torch.cat(samples), [head_w], [group_of(HEAD)])
+        _evaluate(by_layer[-1], lambda f: [head_w],
+                  lambda f: (head_stats.absmax[HEAD], torch.cat(head_stats.samples[HEAD])),
+                  group_of, team, errors)
+    every: dict[str, Errors] = {}
+    for part in team.gather_objects(errors, "the smoothing factors"):
+        for key, found in part.items():
+            every.setdefault(key, {}).update(found)
+    factors: dict[str, torch.Tensor] = {}
+    choices: dict[str, dict] = {}
+    for f in folds:
+        s, c = pick(every[f.key])
         factors[f.key], choices[f.key] = s, {"alpha": c.alpha, "w4a8_error": c.error,
                                              "w4a8_error_unsmoothed": c.error_unsmoothed}
     return folds, factors, choices
