@@ -22,9 +22,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import CpuQuantError
 from ..formats.base import Limits
+
+if TYPE_CHECKING:
+    from .settings import QuantSettings
 
 # vLLM fuses these HF projections into one module; its `dynamic` regexes see the fused name.
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -65,7 +69,7 @@ def choose_group(name: str, in_features: int, requested: int, strict: bool, limi
                         f"{in_features}")
 
 
-def head_group(settings, hidden_size: int, limits: Limits) -> tuple[int, str]:
+def head_group(settings: QuantSettings, hidden_size: int, limits: Limits) -> tuple[int, str]:
     """The head's requested group and the flag it comes from: ``--head-group`` when given;
     else :data:`HEAD_GROUP` for calibrated symmetric GPTQ whose ``--group`` is larger, when it
     divides the head's in-features and the formats store it; else ``--group`` (``-1``, one

@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from ..errors import CpuQuantError
 from .distributed import Team
 from .grid import QZERO, grouped
 from .smoothing import smoothing_scales
+
+if TYPE_CHECKING:
+    from .settings import QuantSettings
 
 # safetensors bytes under a name that no loader globs for weights (vLLM reads *.safetensors)
 FACTORS_FILE = "smoothing.factors"
@@ -98,7 +102,7 @@ def refuse(config: dict) -> str | None:
     return f"--smooth cannot fold into a {mt} model: {reason} (folded: {', '.join(SUPPORTED)})"
 
 
-def default_smoothing(config: dict, settings) -> tuple[bool, str | None]:
+def default_smoothing(config: dict, settings: QuantSettings) -> tuple[bool, str | None]:
     """Whether the default (``gptq`` without ``--smooth`` or ``--no-smooth``) folds smoothing
     into this run, and the plan's note when the model is why not. It folds for calibrated GPTQ
     on the symmetric grid, on the models of :data:`DEFAULT_ON`."""
