@@ -157,8 +157,12 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
 
     from cpu_quant.formats import format_for_quant_method
     from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.quantize.smooth_fold import HEAD, load_factors, smoothed_source
 
     qck, src = open_checkpoint(artifact), open_checkpoint(source)
+    factors = load_factors(artifact)
+    if factors is not None:  # the run quantized the source folded with these (gptq's default)
+        src = smoothed_source(src, factors, artifact)
     qcfg = qck.config.get("quantization_config") or {}
     fmt = format_for_quant_method(qcfg["quant_method"])
     marker = fmt.marker
@@ -174,7 +178,8 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
         src_name = f"{module}.weight"
         if src_name not in src.files and module == "lm_head":
             src_name = "model.embed_tokens.weight"  # tied head
-        w = src.tensor(src_name).float()
+        folded_head = module == "lm_head" and factors is not None and HEAD in src.changed
+        w = (src.head_tensor(src_name, HEAD) if folded_head else src.tensor(src_name)).float()
         sig[key] = sig.get(key, 0.0) + float((w * w).sum())
         err[key] = err.get(key, 0.0) + float(((w - w_hat) ** 2).sum())
     qck.close()
