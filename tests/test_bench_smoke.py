@@ -5,7 +5,8 @@ One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
 ``python -m benchmarks run SUITE --smoke``. To stay within the time budget each run takes a
 subset of its arms (quantize: cpu-quant GPTQ and GPTQModel; fidelity: data-free RTN, GPTQ and
-GPTQModel, the last two evaluated from the quantize run's artifacts through ``--artifact``);
+GPTQModel, the last two evaluated from the quantize run's artifacts through ``--artifact``, and
+GPTQModel with its head quantized, built from the untied copy);
 the full arm lists run with ``python -m benchmarks run SUITE --smoke``. GPTQModel
 may only be skipped when its venv is absent, and then the skip must be written in the result
 file.
@@ -88,7 +89,7 @@ def fidelity_result(tmp_path_factory, quantize_dir, quantize_result) -> dict:
         if artifact.is_dir():
             prebuilt += ["--artifact", f"{fidelity_arm}={artifact}"]
     return _run_smoke("fidelity", tmp_path_factory.mktemp("bench-fidelity"),
-                      "--arms", "rtn,gptq,gptqmodel", *prebuilt)
+                      "--arms", "rtn,gptq,gptqmodel,gptqmodel+head", *prebuilt)
 
 
 def test_quantize_suite_smoke(quantize_result):
@@ -103,9 +104,14 @@ def test_quantize_suite_smoke(quantize_result):
 
 
 def test_fidelity_suite_smoke(fidelity_result):
-    _check_common(fidelity_result, {"rtn", "gptq", "gptqmodel"})
+    _check_common(fidelity_result, {"rtn", "gptq", "gptqmodel", "gptqmodel+head"})
     assert fidelity_result["arms"]["gptq"]["prebuilt"]  # taken from the quantize run
-    assert set(fidelity_result["builds"]) == {"rtn"}
+    peer = gptqmodel_env.ready_env() is not None
+    assert set(fidelity_result["builds"]) == ({"rtn", "gptqmodel+head"} if peer else {"rtn"})
+    if peer:  # the head arm quantized the untied copy, hashed with the inputs
+        assert fidelity_result["arms"]["gptqmodel+head"]["quantized_model"].endswith(
+            "inputs/untied_source")
+        assert "untied_source" in fidelity_result["provenance"]["artifacts"]
     for rec in fidelity_result["records"]:
         if not rec["ok"]:
             continue
@@ -116,7 +122,9 @@ def test_fidelity_suite_smoke(fidelity_result):
         assert m["kl_mean_w4a8"] >= 0 and 0 <= m["top1_agreement_w4a8"] <= 1
         assert m["kl_mean_w4a8"] != m["kl_mean"]
         snr = rec["extras"]["per_layer_weight_snr_db"]
-        assert set(snr) == {"0", "1"} and all(v > 5 for v in snr.values())
+        # the head arm's head is scored against the tied source's embedding
+        head = {"lm_head"} if rec["arm"] == "gptqmodel+head" else set()
+        assert set(snr) == {"0", "1"} | head and all(v > 5 for v in snr.values())
     # an arm whose command does not exist yet is named in the notes, not silently dropped
     from benchmarks.suites.fidelity import cli_commands
 

@@ -26,10 +26,19 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 ``tinygemm-asym``          ``cpu-quant tinygemm`` (asymmetric ``cpu_int4``), when the CLI has it
 ``gptqmodel``              GPTQModel 7.6.0, group 128 with cpu-quant's group-64 ``dynamic`` rules
 ``gptqmodel-g128-native``  GPTQModel 7.6.0, plain group 128 (a partial last group on K = 576)
+``gptqmodel+head``         ``gptqmodel`` with the head quantized (``lm_head=True``) as cpu-quant's
+                           default quantizes it: 4 bits, symmetric, groups of 32, by a ``dynamic``
+                           rule (``quantize.head_dynamic``); on an untied copy of the source
 =========================  =======================================================================
 
-The ``gptq`` arms without ``+head`` and the peers keep the head bf16 (the comparison with
-GPTQModel); the ``+head`` arms are what a user deploys. Calibration
+The ``gptq`` arms without ``+head`` and the first two peers keep the head bf16 (the comparison
+with GPTQModel); the ``+head`` arms are what a user deploys, and ``gptqmodel+head`` is the peer
+to compare them with. GPTQModel 7.6.0 refuses ``lm_head=True`` on a model whose head is tied to
+its embedding (``looper/module_looper.py``, NotImplementedError), so that arm quantizes an untied
+copy written to the run's ``inputs/`` (``quantize.untied_copy``: ``lm_head.weight`` a copy of
+the embedding, ``tie_word_embeddings: false``; the same function) and is scored against the
+tied source like every arm. Without its rule GPTQModel would make the head 8-bit (its own
+default for a head), which the evaluator refuses. Calibration
 is 128 × 512 tokens (smoke: 4 × 64) and evaluation ``EVAL_REAL`` (smoke: ``EVAL_SMOKE``).
 
 ``--artifact ARM=PATH`` evaluates an artifact built elsewhere (e.g. the last pass of the
@@ -90,6 +99,7 @@ class FidelityArm:
     subcommand: str = "gptq"  # cpu-quant only
     flags: tuple[str, ...] = ()  # cpu-quant only
     matched_groups: bool = True  # gptqmodel only: apply cpu-quant's group-64 dynamic rules
+    head: bool = False  # gptqmodel only: quantize the head (lm_head=True) by head_dynamic's rule
 
 
 NO_HEAD = "--no-lm-head"
@@ -117,6 +127,8 @@ ARMS: tuple[FidelityArm, ...] = (
     FidelityArm("gptqmodel", "GPTQModel 7.6.0, groups matched to cpu-quant", "gptqmodel"),
     FidelityArm("gptqmodel-g128-native", "GPTQModel 7.6.0, plain group 128", "gptqmodel",
                 matched_groups=False),
+    FidelityArm("gptqmodel+head", "GPTQModel 7.6.0, groups matched, head 4-bit in groups of 32",
+                "gptqmodel", head=True),
 )
 
 
@@ -250,9 +262,33 @@ def cpu_quant_fidelity_arm(spec: FidelityArm, src: Path, settings: dict, ev: dic
                extras=_extras(src, artifact_of))
 
 
+@dataclass(frozen=True)
+class PeerInputs:
+    """What the GPTQModel arms are given: the calibration windows, cpu-quant's decoder groups as
+    ``dynamic`` rules (``matched``) and, for an arm with ``head``, the head's rule
+    (``quantize.head_dynamic``) and the untied copy of the source it quantizes."""
+    windows: Path
+    matched: dict
+    head_rule: dict | None = None
+    untied: Path | None = None
+
+    def dynamic(self, spec: FidelityArm) -> dict | None:
+        """The arm's rules, the head's first (the order cpu-quant writes them in)."""
+        if spec.head and (self.head_rule is None or self.untied is None):
+            raise ValueError(f"{spec.name}: the head's rule and the untied source are needed")
+        rules = {**(self.head_rule if spec.head else {}),
+                 **(self.matched if spec.matched_groups else {})}
+        return rules or None
+
+    def model(self, spec: FidelityArm, src: Path) -> Path:
+        """The checkpoint GPTQModel quantizes for the arm."""
+        return self.untied if spec.head and self.untied is not None else src
+
+
 def check_gptqmodel_artifact(artifact: Path, windows: Path, settings: dict,
-                             dynamic: dict | None) -> None:
-    """A GPTQModel artifact belongs to this arm: same windows (by hash), groups and head."""
+                             dynamic: dict | None, head: bool = False) -> None:
+    """A GPTQModel artifact belongs to this arm: same windows (by hash), groups and head; a
+    quantized head is checked in the tensors too (``check_gptqmodel_head``)."""
     from ..provenance import artifact_digest
 
     run = json.loads((artifact / "gptqmodel_run.json").read_text())
@@ -260,39 +296,92 @@ def check_gptqmodel_artifact(artifact: Path, windows: Path, settings: dict,
     problems = []
     if artifact_digest(spec["windows"])["sha256"] != artifact_digest(windows)["sha256"]:
         problems.append("calibration windows differ")
-    for key, want in (("group_size", settings["group"]), ("lm_head", False),
+    for key, want in (("group_size", settings["group"]), ("lm_head", head),
                       ("desc_act", False), ("sym", True), ("dynamic", dynamic)):
         if spec.get(key) != want:
             problems.append(f"{key} is {spec.get(key)!r}, the arm wants {want!r}")
+    if head and not problems:
+        problems += check_gptqmodel_head(artifact, dynamic or {}, settings["group"])
     if problems:
         raise ValueError(f"{artifact} is not this arm's artifact: " + "; ".join(problems))
 
 
-def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, windows: Path, settings: dict,
-                           ev: dict, timeout: float, dynamic: dict,
-                           prebuilt: Path | None = None) -> Arm:
-    dyn = dynamic if spec.matched_groups else None
+def check_gptqmodel_head(artifact: Path, dynamic: dict, group: int) -> list[str]:
+    """What is wrong with the head GPTQModel saved, against the rule the arm gave it (rule 3:
+    a head left bf16, or made 8-bit by GPTQModel's own default, must not pass as 4-bit).
+
+    Read from what is on disk: ``config.json`` (``lm_head: true``, the head untied, the rule in
+    its ``dynamic``) and the head's tensors, whose shapes give its bits and its group
+    (``qweight`` [K·bits/32, N], ``scales`` [K/g, N], K the hidden size)."""
+    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.quantize.plan import HEAD_NAME, group_for_module
+
+    want_group = group_for_module(dynamic, HEAD_NAME, group)
+    ckpt = open_checkpoint(artifact)
+    try:
+        qcfg = ckpt.config.get("quantization_config") or {}
+        problems = []
+        if qcfg.get("lm_head") is not True:
+            problems.append(f"the saved config has lm_head {qcfg.get('lm_head')!r}")
+        if ckpt.config.get("tie_word_embeddings") is not False:
+            problems.append("the saved config does not untie the head")
+        saved = qcfg.get("dynamic") or {}
+        if any(saved.get(k) != v for k, v in dynamic.items()):
+            problems.append(f"the saved dynamic rules {saved!r} are not the arm's {dynamic!r}")
+        if f"{HEAD_NAME}.weight" in ckpt.names or f"{HEAD_NAME}.qweight" not in ckpt.names:
+            return problems + [f"the head is not stored quantized ({HEAD_NAME}.qweight missing "
+                               f"or {HEAD_NAME}.weight present)"]
+        hidden = ckpt.shape("model.norm.weight")[0]
+        rows, vocab = ckpt.shape(f"{HEAD_NAME}.qweight")
+        groups = ckpt.shape(f"{HEAD_NAME}.scales")[0]
+        bits, head_group = rows * 32 / hidden, hidden / groups
+        if (bits, head_group) != (4, want_group):
+            problems.append(f"the head is stored at {bits:g} bits in groups of {head_group:g}, "
+                            f"the arm wants 4 bits in groups of {want_group}")
+        return problems
+    finally:
+        ckpt.close()
+
+
+def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, peer: PeerInputs, settings: dict,
+                           ev: dict, timeout: float, prebuilt: Path | None = None) -> Arm:
+    dyn = peer.dynamic(spec)
+    model = peer.model(spec, src)
     artifact_of = _artifact_resolver(prebuilt)
 
     def build_cmd(bdir: Path) -> Command:
         env = q.peer_env()
         spec_file = bdir / "spec.json"
-        spec_file.write_text(json.dumps(q.gptqmodel_spec(src, bdir / "artifact", windows,
-                                                         settings, dyn), indent=2))
+        spec_file.write_text(json.dumps(q.gptqmodel_spec(model, bdir / "artifact", peer.windows,
+                                                         settings, dyn, spec.head), indent=2))
         return Command([str(env.python), str(gptqmodel_env.RUNNER), str(spec_file)],
                        env=dict(q.GPTQMODEL_ENV), cwd=str(bdir), timeout=timeout)
 
     def verify(artifact: Path) -> None:
-        check_gptqmodel_artifact(artifact, windows, settings, dyn)
+        check_gptqmodel_artifact(artifact, peer.windows, settings, dyn, spec.head)
 
     return Arm(spec.name, {"description": spec.description,
                            "tool": f"gptqmodel=={gptqmodel_env.GPTQMODEL_VERSION}",
-                           "dynamic": dyn, "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
+                           "dynamic": dyn, "lm_head": spec.head, "quantized_model": str(model),
+                           "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
                            "prebuilt": str(prebuilt) if prebuilt else None},
                _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
                build=None if prebuilt else build_cmd,
                artifacts=lambda ctx: {"artifact": artifact_of(ctx)},
                extras=_extras(src, artifact_of))
+
+
+def _wanted(opts: q.SuiteOptions, spec: FidelityArm) -> bool:
+    return not opts.arms or spec.name in opts.arms
+
+
+def peer_inputs(opts: q.SuiteOptions, src: Path, windows: Path, group: int) -> PeerInputs:
+    """The GPTQModel arms' inputs; the untied copy only when an arm that needs it will run."""
+    matched = q.matched_dynamic(src, group)
+    if not any(spec.head and _wanted(opts, spec) for spec in ARMS) or q.gptqmodel_skip(opts):
+        return PeerInputs(windows, matched)
+    return PeerInputs(windows, matched, q.head_dynamic(src, group),
+                      q.untied_copy(src, opts.workdir / "inputs" / "untied_source"))
 
 
 def build(opts: q.SuiteOptions) -> Suite:
@@ -302,13 +391,13 @@ def build(opts: q.SuiteOptions) -> Suite:
     src = q.source_model(opts)
     windows = q.write_calibration_windows(src, settings,
                                           opts.workdir / "inputs" / "calibration_windows.json")
-    dynamic = q.matched_dynamic(src, settings["group"])
     if not opts.smoke and opts.install_peers:
         gptqmodel_env.install()  # no-op when present; a real run never skips the peer
+    peer = peer_inputs(opts, src, windows, settings["group"])
     commands = cli_commands()
     notes = ["All arms are evaluated by `cpu-quant eval` (cpu_quant.eval.fidelity) on the "
              "held-out split; GPTQModel's v1 GPTQ checkpoints are read by the same dequantizer.",
-             "rtn is data-free; every other cpu-quant arm and both GPTQModel arms calibrate on "
+             "rtn is data-free; every other cpu-quant arm and every GPTQModel arm calibrate on "
              "the same token windows."]
     skipped = []
     arms: list[Arm] = []
@@ -326,8 +415,10 @@ def build(opts: q.SuiteOptions) -> Suite:
             if skip:
                 skipped.append(type(skip)(spec.name, skip.reason))
                 continue
-            arms.append(gptqmodel_fidelity_arm(spec, src, windows, settings, ev, timeout,
-                                               dynamic, prebuilt.pop(spec.name, None)))
+            if spec.head and peer.untied is None:
+                continue  # not asked for: peer_inputs wrote no untied copy for it
+            arms.append(gptqmodel_fidelity_arm(spec, src, peer, settings, ev, timeout,
+                                               prebuilt.pop(spec.name, None)))
     if prebuilt:
         raise ValueError(f"--artifact names unknown arm(s): {', '.join(sorted(prebuilt))}")
     wanted = opts.arms
@@ -341,10 +432,12 @@ def build(opts: q.SuiteOptions) -> Suite:
                     "bf16 source on held-out text, for each method, all through one evaluator",
         metrics=METRICS,
         arms=arms,
-        settings={"source": str(src), **settings, "eval": ev, "matched_dynamic": dynamic},
+        settings={"source": str(src), **settings, "eval": ev, "matched_dynamic": peer.matched,
+                  "head_dynamic": peer.head_rule},
         baseline=baseline,
         skipped=skipped,
-        inputs={"source_model": src, "calibration_windows": windows},
+        inputs={"source_model": src, "calibration_windows": windows,
+                **({"untied_source": peer.untied} if peer.untied else {})},
         peers=q.peer_description(),
         notes=notes,
         keep_artifacts="last",

@@ -132,6 +132,39 @@ def write_calibration_windows(src: Path, settings: dict, path: Path) -> Path:
     return path
 
 
+def untied_copy(src: Path, dst: Path) -> Path:
+    """``src`` with its head written out: ``lm_head.weight`` a copy of the embedding and
+    ``tie_word_embeddings: false``. The same function as ``src`` (the same logits), in the
+    form GPTQModel 7.6.0 agrees to quantize the head of (it refuses a tied one). A source whose
+    head is already untied is returned as it is."""
+    from cpu_quant.formats.safetensors_sink import untie_head
+    from cpu_quant.io.artifact import copy_tokenizer_files, write_json_atomic
+    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.io.safetensors_writer import write_safetensors
+
+    ckpt = open_checkpoint(src)
+    if "lm_head.weight" in ckpt.names and ckpt.config.get("tie_word_embeddings") is not True:
+        ckpt.close()
+        return src
+    embeddings = [n for n in ckpt.names if n.endswith("embed_tokens.weight")]
+    if len(embeddings) != 1:
+        raise ValueError(f"{src}: cannot tell the tied embedding among {embeddings}")
+    tensors = {n: ckpt.tensor(n) for n in ckpt.names}
+    tensors["lm_head.weight"] = tensors[embeddings[0]].clone()
+    config = dict(ckpt.config)
+    untie_head(config)
+    ckpt.close()
+    staging = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_safetensors(staging / "model.safetensors", tensors)
+    write_json_atomic(staging / "config.json", config)
+    copy_tokenizer_files(src, staging)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(staging, dst)
+    return dst
+
+
 def matched_dynamic(src: Path, group: int) -> dict:
     """The ``dynamic`` rules cpu-quant's plan gives this model's decoder linears (head excluded)."""
     from cpu_quant.formats import get_format
@@ -147,6 +180,36 @@ def matched_dynamic(src: Path, group: int) -> dict:
                                      get_format("gptq").limits))
     ckpt.close()
     return dynamic_overrides([p for p in plans if p.quantize or p.reason], group)
+
+
+def head_dynamic(src: Path, group: int) -> dict:
+    """The ``dynamic`` rule that quantizes the head as cpu-quant's default run of ``--group
+    GROUP`` does: 4 bits, symmetric, in the group ``plan.head_group`` picks (``HEAD_GROUP``, 32,
+    on the demo model), under the key cpu-quant writes (``+:(?:lm_head)$``).
+
+    Bits and symmetry are stated, not left to the top level: GPTQModel 7.6.0 gives a head that
+    no ``dynamic`` rule matches its own 8-bit group-32 config (``looper/module_looper.py``,
+    ``lm_head_quant_config``, applied when ``dynamic_get(lm_head) is None``)."""
+    from cpu_quant.formats import get_format
+    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.quantize.plan import HEAD_NAME, dynamic_overrides, head_group, plan_linear
+    from cpu_quant.quantize.settings import QuantSettings
+
+    limits = get_format("gptq").limits
+    ckpt = open_checkpoint(src)
+    name = f"{HEAD_NAME}.weight"
+    if name not in ckpt.names:
+        name = next(n for n in ckpt.names if n.endswith("embed_tokens.weight"))  # tied
+    vocab, hidden = ckpt.shape(name)
+    ckpt.close()
+    g, flag = head_group(QuantSettings(group_size=group), hidden, limits)
+    plan = plan_linear(HEAD_NAME, hidden, vocab, g, False, limits, flag=flag)
+    if not plan.quantize:
+        raise ValueError(f"{src}: cpu-quant keeps this head bf16 ({plan.reason})")
+    # default group 0 matches no plan: the rule is written even when the head's group is GROUP
+    (pattern, rule), = dynamic_overrides([plan], default_group=0).items()
+    return {pattern: {"bits": 4, "group_size": rule["group_size"], "sym": True,
+                      "desc_act": False}}
 
 
 def gptq_artifact_bits(path: Path) -> dict:
@@ -265,10 +328,10 @@ def cpu_quant_arm(name: str, method: str, src: Path, settings: dict, timeout: fl
                extras=extras)
 
 
-def gptqmodel_spec(src: Path, dst: Path, windows: Path, settings: dict, dynamic: dict | None
-                   ) -> dict:
+def gptqmodel_spec(src: Path, dst: Path, windows: Path, settings: dict, dynamic: dict | None,
+                   lm_head: bool = False) -> dict:
     return {"model": str(src), "out": str(dst), "windows": str(windows), "bits": 4,
-            "group_size": settings["group"], "sym": True, "desc_act": False, "lm_head": False,
+            "group_size": settings["group"], "sym": True, "desc_act": False, "lm_head": lm_head,
             "dynamic": dynamic, "batch_size": settings["batch_size"]}
 
 

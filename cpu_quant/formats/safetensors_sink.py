@@ -19,7 +19,8 @@ from ..quantize.grid import GroupQuant
 from .base import ArtifactInfo, SafetensorsFormat, Sink
 
 
-def _untie_head(config: dict) -> None:
+def untie_head(config: dict) -> None:
+    """Mark ``config`` (and its ``text_config``) as having a head of its own."""
     config["tie_word_embeddings"] = False
     if isinstance(config.get("text_config"), dict):
         config["text_config"]["tie_word_embeddings"] = False
@@ -31,7 +32,7 @@ def artifact_config(source_config: dict, quantization_config: dict, head_quantiz
     config["dtype"] = "bfloat16"
     config.pop("torch_dtype", None)
     if head_quantized:
-        _untie_head(config)
+        untie_head(config)
     config["quantization_config"] = quantization_config
     return config
 
