@@ -54,7 +54,8 @@ CPUWNA16LinearKernel``; and the pass must have run with exactly its arm's plugin
 step's linear layers for each model's shapes, called one by one as the model calls them, at
 M = 1 (decode; median of 50) and M = 512 (the prefill; median of 5; the head is left out, vLLM
 computes logits for one position), through each path (:func:`kernel_attribution`: the op, the
-tinygemm kernel alone, the op's dequantize path with a float32 and with a bf16 GEMM, vLLM's
+tinygemm kernel alone, the op's dequantize path with a float32 and with a bf16 GEMM (the latter
+also with its eager dequantizer, ``int4_bf16_eager``), vLLM's
 ``cpu_gemm_wna16`` where it exists, dense bf16 and float32); and the kernel against the
 dequantize path at M from 8 to 256, the measurement behind the kernel table's threshold. Set
 beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it splits
@@ -428,6 +429,8 @@ def _path_times(rows: int, k: int, g: int, packed, storage, w, wna16, dequantize
     if rows > 1:
         arms["int4_f32"] = lambda: dequantize_path(xk, packed, storage, g, "float32")
         arms["int4_bf16"] = lambda: dequantize_path(xk, packed, storage, g, "bfloat16")
+        arms["int4_bf16_eager"] = lambda: dequantize_path(xk, packed, storage, g, "bfloat16",
+                                                          fused=False)
     if wna16 is not None:
         arms["wna16"] = lambda: wna16[0].apply_weights(wna16[1], xk)
     return {arm: round(_median_ms(fn, reps), 4) for arm, fn in arms.items()}
@@ -477,12 +480,14 @@ def kernel_attribution(model: str, src: Path) -> dict:
         unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w, _wna16_layer(n, k, g))
     configured = rt.PREFILL_GEMM
 
-    def dequantize_path(xk, packed, storage, g, gemm):
-        rt.PREFILL_GEMM = gemm
+    configured_fused = rt.FUSED_DEQUANTIZE
+
+    def dequantize_path(xk, packed, storage, g, gemm, fused=configured_fused):
+        rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = gemm, fused
         try:
             return rt._dequantize_matmul(xk, packed, storage, g)
         finally:
-            rt.PREFILL_GEMM = configured
+            rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = configured, configured_fused
 
     per_module = []
     for (name, n, k, g), (packed, storage, w, wna16) in unique.items():
@@ -503,7 +508,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
     def step(key: str) -> float:
         return round(sum((m.get(key) or 0.0) * m["calls_per_step"] for m in per_module), 3)
 
-    arms = ("int4", "kernel", "bf16", "f32", "wna16", "int4_f32", "int4_bf16")
+    arms = ("int4", "kernel", "bf16", "f32", "wna16", "int4_f32", "int4_bf16", "int4_bf16_eager")
     steps = {f"{arm}_m{rows}": step(f"{arm}_ms_m{rows}") for arm in arms for rows in ROWS
              if any(f"{arm}_ms_m{rows}" in m for m in per_module)}
     sweep = {rows: {path: round(sum(m["sweep"][rows][path] * m["calls_per_step"]

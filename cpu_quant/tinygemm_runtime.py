@@ -8,14 +8,19 @@ number of rows ``M``:
   kernel. Its cost grows linearly with ``M`` because it dequantizes the weight again for every
   block of 4 rows;
 * larger ``M`` (prefill): the weight is dequantized tile by tile, one chunk of whole output
-  blocks (about a million weights) at a time, into a buffer reused by every chunk and every call
-  (``formats/cpu_int4.dequantize_kernel_t_``: the kernel's float32 arithmetic, read straight from
-  the kernel layout), and each tile is multiplied by the dense GEMM in ``PREFILL_GEMM``:
-  ``float32`` multiplies the float32 tile itself (exact weights; the GEMM of CPUs without
-  native bf16, where it is several times faster than a bf16 one), ``bfloat16`` rounds the tile
-  to bf16 first and calls the bf16 GEMM in the orientation oneDNN runs fastest (weights
-  ``[N, K]``, as ``F.linear``). No second copy of the weights is ever kept: the extra memory is
-  the tile buffers (a few MiB) and one tile's output.
+  blocks at a time, and each tile is multiplied by the dense GEMM in ``PREFILL_GEMM``.
+  ``bfloat16`` (CPUs with a native bf16 GEMM): each tile of about four million weights
+  (:data:`FUSED_CHUNK_WEIGHTS`) is dequantized to bf16 ``[rows, K]`` by a ``torch.compile``d
+  function (:func:`_blocks_to_rows`) that reads the packed bytes once and writes the bf16 tile
+  once, then multiplied in the orientation oneDNN runs fastest (weights ``[N, K]``, as
+  ``F.linear``). Where it cannot compile (no C++ compiler), or with
+  ``CPU_QUANT_INT4_FUSED_DEQUANTIZE=0``, the eager path below runs instead; both give the same
+  bits. ``float32`` (CPUs without native bf16, where a float32 GEMM is several times faster
+  than a bf16 one), and the eager path: tiles of about a million weights dequantized into a
+  float32 buffer reused by every chunk and every call (``formats/cpu_int4.dequantize_kernel_t_``:
+  the kernel's float32 arithmetic, read straight from the kernel layout), multiplied as they
+  are (``float32``) or rounded to bf16 first. No second copy of the weights is ever kept: the
+  extra memory is one tile (a few MiB) and one tile's output.
 
 Both settings come from this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` (the measurements
 behind each row are there). ``CPU_QUANT_INT4_KERNEL_MAX_ROWS`` (e.g. 0: every batch through
@@ -24,7 +29,8 @@ them for comparisons; both are read once, at import.
 
 The branch on ``M`` lives inside a ``torch.library`` custom op, so a compiled graph (vLLM's
 ``torch.compile``) sees one opaque call and never guards or specialises on the batch size.
-``PATH_CALLS`` counts the calls per path in this process (a check that a path really ran).
+``PATH_CALLS`` counts the calls per path in this process, and the tiles the compiled dequantizer
+made (a check that a path really ran).
 
 ``load_quantized(path)`` returns a transformers model whose quantized linears are
 :class:`Int4PackedLinear` modules calling that op; everything else is the stock model.
@@ -32,6 +38,7 @@ The branch on ``M`` lives inside a ``torch.library`` custom op, so a compiled gr
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from pathlib import Path
@@ -52,7 +59,7 @@ from .formats.cpu_int4 import (
 )
 from .probe import PREFILL_GEMMS, local_cpu, serving_kernels
 
-PATH_CALLS = {"kernel": 0, "dequantize": 0}
+PATH_CALLS = {"kernel": 0, "dequantize": 0, "fused_tiles": 0}
 _GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -91,6 +98,74 @@ def _buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel]
 
 
+def _fused_dequantize_enabled() -> bool:
+    raw = os.environ.get("CPU_QUANT_INT4_FUSED_DEQUANTIZE", "").strip()
+    if raw not in ("", "0", "1"):
+        raise CpuQuantError(f"CPU_QUANT_INT4_FUSED_DEQUANTIZE={raw!r} is not 0 or 1")
+    return raw != "0"
+
+
+FUSED_DEQUANTIZE = _fused_dequantize_enabled()
+FUSED_CHUNK_WEIGHTS = 1 << 22  # weights per fused tile: 4 Mi measured fastest (1, 4 and 16 Mi tried)
+RECOMPILE_LIMIT = 64
+_fused: dict[str, object] = {}  # layout's full-block arrangement -> compiled function, or None
+
+
+def _blocks_to_rows(blocks: torch.Tensor, sz: torch.Tensor, split: bool) -> torch.Tensor:
+    """bf16 rows [B·bn, K] of ``blocks`` (uint8 [B, K, bn/2], whole kernel blocks) with their
+    scale/zero pairs ``sz`` (bf16 [K/g, B·bn, 2]): ``(q - 8) · s + z`` in float32, rounded once to
+    bf16, as :func:`~.formats.cpu_int4.dequantize_kernel_rows` computes it. Compiled, this is one
+    pass over the packed bytes (every product ``(q - 8) · s`` is exact in float32, so a fused
+    multiply-add rounds the same way)."""
+    full, k, half = blocks.shape
+    lo, hi = blocks & 0xF, blocks >> 4
+    codes = torch.cat([lo, hi], -1) if split else torch.stack([lo, hi], -1).reshape(full, k, 2 * half)
+    rows = full * 2 * half
+    q = codes.permute(0, 2, 1).reshape(rows, sz.shape[0], -1).to(torch.float32) - 8.0
+    s = sz[..., 0].t().to(torch.float32).unsqueeze(-1)
+    z = sz[..., 1].t().to(torch.float32).unsqueeze(-1)
+    return (q * s + z).to(torch.bfloat16).reshape(rows, k)
+
+
+def _fused_rows(layout, packed: torch.Tensor, scale_zeros: torch.Tensor, start: int, stop: int
+                ) -> torch.Tensor | None:
+    """Rows ``start:stop`` (whole blocks) in bf16 through the compiled :func:`_blocks_to_rows`;
+    None where it is switched off or cannot compile here (the caller then takes the eager
+    path)."""
+    if not FUSED_DEQUANTIZE:
+        return None
+    key = layout.full_block
+    fn = _fused.get(key, False)
+    if fn is None:
+        return None
+    bn, half = layout.block_n, packed.shape[1]
+    blocks = packed[start:stop].view((stop - start) // bn, half * 2, bn // 2)
+    sz = scale_zeros[:, start:stop].contiguous()  # strides that depend on the shape alone
+    if fn is False:
+        compiled = torch.compile(functools.partial(_blocks_to_rows, split=key == "split"),
+                                 fullgraph=True, dynamic=False)
+        try:
+            out = _run(compiled, blocks, sz)
+        except Exception as exc:  # no C++ compiler, an inductor bug: the eager path still runs
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "cpu_quant: fused dequantize did not compile (%s: %s); prefill dequantizes "
+                "eagerly", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            _fused[key] = None
+            return None
+        _fused[key] = compiled
+        return out
+    return _run(fn, blocks, sz)
+
+
+def _run(fn, blocks: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    # one specialised kernel per tile shape (a model has a handful: each linear's full tiles and
+    # its last one), beyond dynamo's default of 8 per function, which would run it uncompiled
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return fn(blocks, sz)
+
+
 def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor,
                        group: int) -> torch.Tensor:
     n, half = packed.shape
@@ -99,15 +174,23 @@ def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch
     xg = x.to(gemm)
     out = torch.empty(m, n, dtype=x.dtype)
     layout = kernel_layout()
-    for start, stop in dequantize_chunks(packed):
+    fused = FUSED_DEQUANTIZE and gemm == torch.bfloat16
+    for start, stop in dequantize_chunks(packed, FUSED_CHUNK_WEIGHTS if fused else CHUNK_WEIGHTS):
         rows = stop - start
-        w_t = dequantize_kernel_t_(packed, scale_zeros, group, start, stop,
-                                   _buffer("w32", k * rows, torch.float32).view(k, rows), layout)
-        if gemm == torch.float32:
-            weight = w_t  # [K, rows]
-        else:  # bf16 tile as [rows, K], the orientation of F.linear's weight
-            weight = _buffer("w16", rows * k, gemm).view(rows, k).copy_(w_t.t()).t()
-        tile = torch.mm(xg, weight, out=_buffer("out", m * rows, gemm).view(m, rows))
+        whole = rows - rows % layout.block_n
+        weight = None
+        if gemm == torch.bfloat16 and whole == rows:
+            weight = _fused_rows(layout, packed, scale_zeros, start, stop)  # [rows, K] bf16
+            PATH_CALLS["fused_tiles"] += weight is not None
+        if weight is None:
+            w_t = dequantize_kernel_t_(packed, scale_zeros, group, start, stop,
+                                       _buffer("w32", k * rows, torch.float32).view(k, rows),
+                                       layout)
+            if gemm == torch.float32:
+                weight = w_t.t()  # [rows, K] view of the [K, rows] tile
+            else:  # bf16 tile as [rows, K], the orientation of F.linear's weight
+                weight = _buffer("w16", rows * k, gemm).view(rows, k).copy_(w_t.t())
+        tile = torch.mm(xg, weight.t(), out=_buffer("out", m * rows, gemm).view(m, rows))
         out[:, start:stop].copy_(tile)
     return out
 

@@ -19,6 +19,7 @@ import torch
 
 from cpu_quant.errors import CpuQuantError
 from cpu_quant.formats import cpu_int4 as tp
+from cpu_quant.probe import local_cpu, serving_kernels
 
 from .conftest import REPO, SMALL_CALIB, build_once, run_cli
 from .helpers.tinygemm_isa import random_module as _random_module
@@ -114,6 +115,50 @@ def test_kernel_and_prefill_path_match_the_dequantized_reference(gemm: str, monk
             assert torch.equal(got, direct.float())
     assert rt.PATH_CALLS["kernel"] - before["kernel"] == 2
     assert rt.PATH_CALLS["dequantize"] - before["dequantize"] == 1
+
+
+@pytest.mark.parametrize("arrangement", ["split", "paired"])
+def test_fused_dequantize_reads_both_block_arrangements(arrangement: str):
+    """The compiled prefill dequantizer's arithmetic (run eagerly here, on a layout of each
+    arrangement torch's packers use) gives the bf16 rows the kernel-layout reader gives."""
+    from cpu_quant import tinygemm_runtime as rt
+
+    layout = tp.KernelLayout("test", 64, arrangement)
+    n, k, group = 192, 256, 64
+    codes, scale, zero = _random_module(n, k, group, seed=8)
+    packed = layout.pack(codes)
+    storage, sview, zview = tp.scale_zero_storage(n, k, group)
+    sview.copy_(scale)
+    zview.copy_(zero)
+    want = tp.dequantize_kernel_rows(packed, storage, group, 64, 192, layout)
+    blocks = packed[64:192].view(2, k, 32)
+    got = rt._blocks_to_rows(blocks, storage[:, 64:192], split=arrangement == "split")
+    assert torch.equal(got, want)
+
+
+def test_fused_prefill_equals_the_eager_prefill_bit_for_bit(monkeypatch):
+    """The default bf16 prefill dequantizes through a compiled one-pass function; its output
+    equals the eager path's bit for bit (several chunks, and a last chunk with a partial block,
+    which takes the eager path)."""
+    from cpu_quant import tinygemm_runtime as rt
+
+    monkeypatch.setattr(rt, "PREFILL_GEMM", "bfloat16")
+    layout = tp.kernel_layout()
+    k, group = 1024, 128
+    gen = torch.Generator().manual_seed(9)
+    for n in (3 * 1024, 1024 + layout.block_n + 16):
+        codes, scale, zero = _random_module(n, k, group, seed=n)
+        packed = tp.torch_pack(codes)
+        storage, sview, zview = tp.scale_zero_storage(n, k, group)
+        sview.copy_(scale)
+        zview.copy_(zero)
+        x = torch.randn(rt.KERNEL_MAX_ROWS + 5, k, generator=gen).to(torch.bfloat16)
+        monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", True)
+        fused = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
+        assert rt._fused.get(layout.full_block) is not None, "the fused dequantizer did not compile"
+        monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", False)
+        eager = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
+        assert torch.equal(fused, eager)
 
 
 def test_prefill_path_keeps_no_copy_of_the_weights(monkeypatch):
@@ -572,6 +617,8 @@ def test_vllm_prefill_and_decode_paths_agree(vllm_run: dict):
     # well over the 16 rows the engine was given as its threshold) the dequantize path
     assert calls["generate"]["kernel"] > 0, calls
     assert calls["rescore"]["dequantize"] > 0, calls
+    if serving_kernels(local_cpu()).prefill_gemm == "bfloat16":  # and the compiled dequantizer
+        assert calls["rescore"]["fused_tiles"] > 0, calls
     worst = 0.0
     for seq in vllm_run["sequences"]:
         for i, (margin, lp, p) in enumerate(zip(seq["top2_margin"], seq["logprob"],

@@ -366,8 +366,8 @@ def kernel_layout() -> KernelLayout:
     return found
 
 
-def _chunk_rows(k: int, block_n: int) -> int:
-    return max(block_n, (CHUNK_WEIGHTS // max(k, 1)) // block_n * block_n)
+def _chunk_rows(k: int, block_n: int, weights: int = CHUNK_WEIGHTS) -> int:
+    return max(block_n, (weights // max(k, 1)) // block_n * block_n)
 
 
 def repack_to_kernel_(weight_packed: torch.Tensor, name: str = "module") -> torch.Tensor:
@@ -430,8 +430,8 @@ def dequantize_kernel_t_(packed: torch.Tensor, scale_zeros: torch.Tensor, group:
     return w.sub_(QZERO).mul_(sz[..., 0]).add_(sz[..., 1]).view(k, rows)
 
 
-def dequantize_chunks(packed: torch.Tensor) -> list[tuple[int, int]]:
-    """Row ranges (whole kernel blocks) of about ``CHUNK_WEIGHTS`` weights each."""
+def dequantize_chunks(packed: torch.Tensor, weights: int = CHUNK_WEIGHTS) -> list[tuple[int, int]]:
+    """Row ranges (whole kernel blocks) of about ``weights`` weights each."""
     n, half = packed.shape
-    rows = _chunk_rows(half * 2, kernel_layout().block_n)
+    rows = _chunk_rows(half * 2, kernel_layout().block_n, weights)
     return [(r, min(n, r + rows)) for r in range(0, n, rows)]
