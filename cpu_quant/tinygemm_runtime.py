@@ -50,8 +50,10 @@ from .errors import CpuQuantError
 from .formats.cpu_int4 import (
     CHUNK_WEIGHTS,
     QUANT_METHOD,
+    block_codes,
     check_kernel_shape,
     dequantize_chunks,
+    dequantize_codes,
     dequantize_kernel_t_,
     kernel_layout,
     repack_to_kernel_,
@@ -113,18 +115,10 @@ _fused: dict[str, object] = {}  # layout's full-block arrangement -> compiled fu
 
 def _blocks_to_rows(blocks: torch.Tensor, sz: torch.Tensor, split: bool) -> torch.Tensor:
     """bf16 rows [B·bn, K] of ``blocks`` (uint8 [B, K, bn/2], whole kernel blocks) with their
-    scale/zero pairs ``sz`` (bf16 [K/g, B·bn, 2]): ``(q - 8) · s + z`` in float32, rounded once to
-    bf16, as :func:`~.formats.cpu_int4.dequantize_kernel_rows` computes it. Compiled, this is one
-    pass over the packed bytes (every product ``(q - 8) · s`` is exact in float32, so a fused
-    multiply-add rounds the same way)."""
-    full, k, half = blocks.shape
-    lo, hi = blocks & 0xF, blocks >> 4
-    codes = torch.cat([lo, hi], -1) if split else torch.stack([lo, hi], -1).reshape(full, k, 2 * half)
-    rows = full * 2 * half
-    q = codes.permute(0, 2, 1).reshape(rows, sz.shape[0], -1).to(torch.float32) - 8.0
-    s = sz[..., 0].t().to(torch.float32).unsqueeze(-1)
-    z = sz[..., 1].t().to(torch.float32).unsqueeze(-1)
-    return (q * s + z).to(torch.bfloat16).reshape(rows, k)
+    scale/zero pairs ``sz`` (bf16 [K/g, B·bn, 2]), as ``dequantize_kernel_rows`` gives them.
+    Compiled, this is one pass over the packed bytes (every product ``(q - 8) · s`` is exact in
+    float32, so a fused multiply-add rounds the same way)."""
+    return dequantize_codes(block_codes(blocks, split), sz)
 
 
 def _fused_rows(layout, packed: torch.Tensor, scale_zeros: torch.Tensor, start: int, stop: int
@@ -174,12 +168,13 @@ def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch
     xg = x.to(gemm)
     out = torch.empty(m, n, dtype=x.dtype)
     layout = kernel_layout()
-    fused = FUSED_DEQUANTIZE and gemm == torch.bfloat16
+    # tiles of the compiled dequantizer's size, unless it is off or failed to compile here
+    fused = (FUSED_DEQUANTIZE and gemm == torch.bfloat16
+             and _fused.get(layout.full_block, False) is not None)
     for start, stop in dequantize_chunks(packed, FUSED_CHUNK_WEIGHTS if fused else CHUNK_WEIGHTS):
         rows = stop - start
-        whole = rows - rows % layout.block_n
         weight = None
-        if gemm == torch.bfloat16 and whole == rows:
+        if fused and rows % layout.block_n == 0:  # a partial last block: the eager path
             weight = _fused_rows(layout, packed, scale_zeros, start, stop)  # [rows, K] bf16
             PATH_CALLS["fused_tiles"] += weight is not None
         if weight is None:

@@ -278,13 +278,8 @@ class KernelLayout:
         full = (stop - start) // bn
         parts = []
         if full:
-            b = packed[start:start + full * bn].reshape(full, k, bn // 2)
-            lo, hi = b & 0xF, b >> 4
-            if self.full_block == "split":
-                c = torch.cat([lo, hi], -1)
-            else:
-                c = torch.stack([lo, hi], -1).reshape(full, k, bn)
-            parts.append(c.transpose(1, 2).reshape(full * bn, k))
+            parts.append(block_codes(packed[start:start + full * bn].reshape(full, k, bn // 2),
+                                     self.full_block == "split"))
         tail = stop - start - full * bn
         if tail:
             b = packed[stop - tail:stop].reshape(k, tail // 2)
@@ -324,6 +319,16 @@ class KernelLayout:
             pairs[..., 0].copy_(b & 0xF)
             pairs[..., 1].copy_(b >> 4)
         return out
+
+
+def block_codes(blocks: torch.Tensor, split: bool) -> torch.Tensor:
+    """Codes uint8 [B·bn, K] of whole kernel blocks (``blocks``: uint8 [B, K, bn/2], each block
+    stored K-major): a ``split`` block holds rows ``0..bn/2`` in its low nibbles and the rest
+    in its high ones, a ``paired`` block rows ``2i`` and ``2i + 1`` in one byte."""
+    full, k, half = blocks.shape
+    lo, hi = blocks & 0xF, blocks >> 4
+    c = torch.cat([lo, hi], -1) if split else torch.stack([lo, hi], -1).reshape(full, k, 2 * half)
+    return c.transpose(1, 2).reshape(full * 2 * half, k)
 
 
 _CANDIDATES = tuple(KernelLayout("?", bn, how) for bn in (16, 32, 64, 128, 256)
@@ -407,10 +412,15 @@ def dequantize_kernel_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, grou
     equals the bf16 rounding of :func:`dequantize_cpu_int4`.
     """
     layout = layout or kernel_layout()
-    codes = layout.codes(packed, start, stop)
+    return dequantize_codes(layout.codes(packed, start, stop), scale_zeros[:, start:stop])
+
+
+def dequantize_codes(codes: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """bf16 rows [R, K] of ``codes`` (uint8 [R, K]) with their scale/zero pairs
+    (``scale_zeros``: bf16 [K/g, R, 2]): ``(q - 8) * s + z`` in float32, rounded once."""
     rows, k = codes.shape
-    sz = scale_zeros[:, start:stop].to(torch.float32).transpose(0, 1).unsqueeze(-1)  # [r, G, 2, 1]
-    w = codes.to(torch.float32).reshape(rows, k // group, group).sub_(QZERO)
+    sz = scale_zeros.to(torch.float32).transpose(0, 1).unsqueeze(-1)  # [r, G, 2, 1]
+    w = codes.to(torch.float32).reshape(rows, scale_zeros.shape[0], -1).sub_(QZERO)
     return w.mul_(sz[:, :, 0]).add_(sz[:, :, 1]).to(torch.bfloat16).reshape(rows, k)
 
 
