@@ -161,6 +161,23 @@ def test_fused_prefill_equals_the_eager_prefill_bit_for_bit(monkeypatch):
         assert torch.equal(fused, eager)
 
 
+@pytest.mark.parametrize("name,bad,good,reader,parsed", [
+    ("CPU_QUANT_INT4_KERNEL_MAX_ROWS", "many", "0", "_kernel_max_rows", 0),
+    ("CPU_QUANT_INT4_PREFILL_GEMM", "float16", "float32", "_prefill_gemm", "float32"),
+    ("CPU_QUANT_INT4_FUSED_DEQUANTIZE", "yes", "0", "_fused_dequantize_enabled", False),
+])
+def test_runtime_switches_refuse_bad_values_in_one_line(name, bad, good, reader, parsed,
+                                                        monkeypatch):
+    from cpu_quant import tinygemm_runtime as rt
+
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(CpuQuantError) as exc:
+        getattr(rt, reader)()
+    assert name in str(exc.value) and "\n" not in str(exc.value)
+    monkeypatch.setenv(name, good)
+    assert getattr(rt, reader)() == parsed
+
+
 def test_prefill_path_keeps_no_copy_of_the_weights(monkeypatch):
     """The dequantize path's only memory beyond its output is the tile buffers, reused by every
     chunk and call: their size does not grow with the weight (a 4x larger matrix leaves them
