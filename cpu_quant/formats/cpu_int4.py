@@ -412,6 +412,9 @@ def dequantize_kernel_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, grou
     equals the bf16 rounding of :func:`dequantize_cpu_int4`.
     """
     layout = layout or kernel_layout()
+    if packed.shape[1] * 2 != group * scale_zeros.shape[0]:
+        raise ValueError(f"{scale_zeros.shape[0]} groups of {group} do not make the weight's "
+                         f"{packed.shape[1] * 2} in-features")
     return dequantize_codes(layout.codes(packed, start, stop), scale_zeros[:, start:stop])
 
 
