@@ -239,8 +239,8 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "0.148 at the same group). This is the "
                "machine class the project tests and benchmarks on (AMD EPYC, AVX-512 with "
                "BF16/VNNI, no AMX). Measured there (2 cores, demo model, vLLM 0.32.0 "
-               "compiled, 3 interleaved passes): decode 1.93x bf16 [1.80-1.96] against GPTQ's "
-               "1.11x, prefill 0.54x, RssAnon after start-up 0.92x",
+               "compiled, 3 interleaved passes): decode 1.88x bf16 [1.73-2.10] against 1.10x for "
+               "GPTQ on vLLM's cpu_gemm_wna16, prefill 0.67x, RssAnon after start-up 0.94x",
         alternative="x86-gptq-tinygemm",
     ),
     Rule(
@@ -281,9 +281,9 @@ DECISION_TABLE: tuple[Rule, ...] = (
         reason="the same GPTQ files also serve stock vLLM on AVX-512 and AMX hosts and load in "
                "GPTQModel; on this CPU the plugin computes them exactly on tinygemm, at the "
                "symmetric grid's fidelity. The head is quantized in groups of 32: on the demo "
-               "model KL 0.0878 against 0.0928 in groups of 64, and decode 70.3 tok/s against "
-               "74.1 (64) and 67.8 (bf16 head), within the runs' spread of up to a quarter "
-               "(AMD EPYC, AVX-512, 2 cores)",
+               "model KL 0.0878 against 0.0928 in groups of 64, and decode 80.4 tok/s against "
+               "80.5 (64, within the run's spread) and 72.5 with a bf16 head (AMD EPYC, "
+               "AVX-512, 2 cores)",
     ),
     Rule(
         name="arm-w4a16",
