@@ -383,9 +383,9 @@ def test_int8_levels_search_and_signed_codes():
 def test_w4a8_emulation_is_the_kernels_integer_arithmetic():
     """``int8_per_token`` then a float GEMM of the dequantized weights (what ``eval --w4a8``
     computes, in float32) equals the W4A8 kernel's published arithmetic, computed here in
-    integers: activations to symmetric int8 per token (scale amax / 127), weights as 4-bit codes
-    with the zero point 8 and one scale per group, int32 dot products per group, then the two
-    scales."""
+    integers: activations to symmetric int8 per token (times 127 / amax in float32), weights as
+    4-bit codes with the zero point 8 and one scale per group, int32 dot products per group,
+    then the two scales."""
     from cpu_quant.quantize.hessians import int8_per_token
 
     gen = torch.Generator().manual_seed(3)
@@ -394,8 +394,9 @@ def test_w4a8_emulation_is_the_kernels_integer_arithmetic():
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
     w_scale = torch.rand(n, k // g, generator=gen, dtype=torch.float64) * 0.02 + 1e-3
     # the kernel's integers
-    x_scale = x.abs().amax(-1, keepdim=True).double() / 127.0
-    qx = torch.clamp(torch.round(x.double() / x_scale), -127, 127).to(torch.int64)
+    amax = x.abs().amax(-1, keepdim=True)
+    x_scale = amax.double() / 127.0
+    qx = torch.clamp(torch.round(x * (127.0 / amax)), -127, 127).to(torch.int64)
     assert qx.abs().max() == 127
     acc = torch.stack([(qx[:, a:a + g] @ (codes[:, a:a + g] - 8).T) for a in range(0, k, g)], -1)
     assert acc.abs().max() < 2**31  # an int32 accumulator holds every group's sum

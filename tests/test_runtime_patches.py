@@ -301,6 +301,12 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
         assert len(re.findall(rf"cpu_quant patch {name}: ", log)) == 1, log[-3000:]
 
 
+def torch_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def _table_says_tinygemm() -> bool:
     from cpu_quant.probe import local_cpu, serving_kernels
 
@@ -450,6 +456,74 @@ def test_gptq_kernel_computes_exact_layers_and_hands_the_rest_to_vllms() -> None
     handed = [ln for ln in result["log"] if ln.startswith("gptq_tinygemm: OddGroupLayer")]
     assert len(handed) == 1 and "-> vLLM's CPUWNA16LinearKernel" in handed[0], result["log"]
     assert "group 16 is not one the tinygemm kernel takes" in handed[0]
+
+
+_W4A8_KERNEL_CHECK = textwrap.dedent("""
+    import json, torch
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+        MPLinearLayerConfig)
+    from vllm.scalar_type import scalar_types
+    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
+    from cpu_quant.quantize.hessians import int8_per_token
+
+    n, k, g = 256, 1024, 128
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
+    qweight = pack_gptq_qweight(codes)
+    w = dequantize_gptq(qweight, pack_gptq_qzeros(torch.full((k // g, n), 7)), scales, None)
+    layer = torch.nn.Module()
+    layer.bias = None
+    q = torch.nn.Parameter(qweight, requires_grad=False)
+    q.input_dim, q.output_dim, q.packed_dim = 0, 1, 0
+    s = torch.nn.Parameter(scales, requires_grad=False)
+    s.input_dim, s.output_dim = 0, 1
+    layer.register_parameter("qweight", q)
+    layer.register_parameter("scales", s)
+    cfg = MPLinearLayerConfig((k, n), (k, n), scalar_types.uint4b8, torch.bfloat16, g, False)
+    kernel = CPUWNA16LinearKernel(cfg, "qweight", "scales", "qzeros")
+    kernel.process_weights_after_loading(layer)
+    # rows of very different ranges, one channel an outlier: the per-token int8 grid matters
+    x = torch.randn(16, k, generator=gen) * torch.linspace(0.1, 3.0, k)
+    x[:, 5] += 6.0
+    x[3] *= 20.0
+    x = x.to(torch.bfloat16)
+    y = kernel.apply_weights(layer, x).float()
+    emulated = int8_per_token(x.float()) @ w.t()
+    divided = torch.clamp(torch.round(x.float() / (x.float().abs().amax(-1, keepdim=True) / 127)),
+                          -127, 127) * (x.float().abs().amax(-1, keepdim=True) / 127) @ w.t()
+    bf16 = x.float() @ w.t()
+    def rel(a):
+        return float((a - y).norm() / y.norm())
+    print("RESULT " + json.dumps({"w4a8": bool(layer.use_w4a8),
+                                  "emulated": rel(emulated),
+                                  "emulated_bf16": rel(emulated.bfloat16().float()),
+                                  "divided_bf16": rel(divided.bfloat16().float()),
+                                  "bf16_activations": rel(bf16)}))
+""")
+
+
+@pytest.mark.skipif(not torch_amx(), reason="vLLM's W4A8 kernel runs only where torch sees AMX tiles")
+def test_w4a8_emulation_matches_vllms_amx_kernel() -> None:
+    """Where the CPU has AMX, vLLM's own GPTQ kernel (no plugin) runs ``int4_scaled_mm_cpu``.
+    Its output equals ``eval --w4a8``'s emulation (symmetric int8 per token, then the
+    dequantized weights) to within bf16 rounding of the output, and is far from the same layer
+    with bf16 activations: the emulation, not a different activation grid, is what is measured
+    as the W4A8 error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_QUANT_", "VLLM_"))}
+    proc = subprocess.run([sys.executable, "-c", _W4A8_KERNEL_CHECK], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert r["w4a8"], r
+    # rounded to bf16 as the kernel's output is, the emulation gives the kernel's values: a few
+    # one-ulp differences at most (float32 sums in another order), far below one ulp in norm
+    assert r["emulated_bf16"] <= 2.0**-12, r
+    # dividing by the scale instead of multiplying by its reciprocal flips roundings at ties
+    assert r["divided_bf16"] > r["emulated_bf16"], r
+    # the W4A8 error itself is far above both
+    assert r["bf16_activations"] >= 16 * max(r["divided_bf16"], 2.0**-12), r
 
 
 # --- real engines -------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Three faces (``shared/MEASURING.md``), all on the held-out split, never calibrat
 
 Variants: ``weights`` runs the dequantized weights with bf16/float activations (what
 ``cpu_gemm_wna16`` computes); ``w4a8_emulated`` also quantizes every linear's input to int8 per
-token, as vLLM's AMX kernel ``int4_scaled_mm_cpu`` does (emulated: this machine has no AMX).
+token, as vLLM's AMX kernel ``int4_scaled_mm_cpu`` does (emulated in torch; on an AMX CPU the
+emulation and the kernel agree after bf16 output rounding, which a test checks).
 
 Both models are torch models; the quantized one holds the artifact's dequantized weights
 (``dequantized.load_model``). Computation is float32 unless asked otherwise. The reference's
@@ -118,7 +119,7 @@ def _greedy(model, prompts: torch.Tensor, new_tokens: int, progress: bool = Fals
 
 def _int8_per_token(module, inputs):
     """A linear's input fake-quantized the way vLLM's W4A8 kernel does before its int8 GEMM
-    (``quantize.hessians.int8_per_token``). This machine has no AMX, so it is emulated in torch."""
+    (``quantize.hessians.int8_per_token``), emulated in torch."""
     return (int8_per_token(inputs[0]),) + tuple(inputs[1:])
 
 

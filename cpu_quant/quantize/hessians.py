@@ -36,14 +36,17 @@ def bf16_products():
 
 
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as vLLM's W4A8 kernel sees it: each row (token) quantized to symmetric int8 with
-    one float32 scale ``amax / 127`` and rounded to nearest, returned dequantized in ``x``'s
-    dtype (exact in float32; a bf16 input, as the calibration activations are, gets the
-    dequantized values rounded to bf16, an error far below the int8 step). ``int4_scaled_mm_cpu``
-    (sgl-kernel's AMX W4A8 GEMM in vLLM's CPU build) does this to every linear's input before
-    its int8 GEMM."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / 127.0
-    return (torch.clamp(torch.round(x.float() / scale), -127, 127) * scale).to(x.dtype)
+    """``x`` as vLLM's W4A8 kernel sees it: each row (token) quantized to symmetric int8,
+    ``round(x * (127 / amax))`` (the kernel multiplies by the reciprocal of its float32 scale
+    ``amax / 127``; dividing by the scale rounds differently at ties), returned dequantized in
+    ``x``'s dtype. In float32 this is the kernel's own arithmetic: on an AMX CPU,
+    ``int4_scaled_mm_cpu`` (sgl-kernel's W4A8 GEMM in vLLM's CPU build) and this followed by a
+    float32 GEMM of the dequantized weights agree after bf16 output rounding (tested where AMX
+    is present). A bf16 input, as the calibration activations are, gets the dequantized values
+    rounded to bf16, which the kernel does not do: ``eval --w4a8`` computes in float32."""
+    amax = x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12)
+    q = torch.clamp(torch.round(x.float() * (127.0 / amax)), -127, 127)
+    return (q * (amax / 127.0)).to(x.dtype)
 
 
 def w4a8_gram(x: torch.Tensor) -> torch.Tensor:
