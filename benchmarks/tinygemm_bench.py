@@ -14,7 +14,11 @@ recorded, provenance with artifact sha256). Arms:
               switch set, so GPTQ layers run on the kernel this CPU's row of
               ``cpu_quant.probe.KERNEL_TABLE`` names (tinygemm on x86 without AMX)
 ``gptq_stock``  the ``gptq`` arm's checkpoint with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: stock
-              vLLM's kernel (``cpu_gemm_wna16``; absent from vLLM's AVX2 build)
+              vLLM's kernel (``cpu_gemm_wna16``; absent from vLLM's AVX2 build;
+              ``int4_scaled_mm_cpu``, W4A8, where the CPU has AMX)
+``gptq_w4a16``  the ``gptq`` arm's checkpoint with ``VLLM_CPU_INT4_W4A8=0``, measured only where
+              the CPU has AMX (elsewhere it is the ``gptq`` arm again): vLLM's W4A8 kernel
+              switched off, so the plugin's table puts GPTQ layers on tinygemm (W4A16, exact)
 ``cpu_int4``  ``cpu-quant tinygemm`` layout, served through the cpu_quant plugin (tinygemm)
 ``llama.cpp-TYPE``  with ``--llama-cpp TYPE[,TYPE]`` (``q4_0``, ``q4_k_m``, ``q8_0``): the same
               bf16 checkpoint converted to GGUF and quantized by llama.cpp itself, run by
@@ -48,7 +52,7 @@ Each pass checks its knobs (MEASURING.md rule 4): the engine's whole log (all pr
 to ``pass.json.log``; the cpu_int4 arm must log the tinygemm layout line, the gptq arm the
 line of its kernel on this CPU (``default_gptq_knob``), the gptq_stock arm vLLM's ``Using
 CPUWNA16LinearKernel``; and the pass must have run with exactly its arm's plugin switches
-(``ARM_ENV``: none for every arm but gptq_stock).
+(``ARM_ENV``: none for every arm but gptq_stock and gptq_w4a16).
 
 ``kernel`` (attribution, MEASURING.md rule 9): in one process, with every core, the time of one
 step's linear layers for each model's shapes, called one by one as the model calls them, at
@@ -104,15 +108,41 @@ def default_gptq_knob() -> str:
     return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
 
 
+def w4a16_gptq_knob() -> str:
+    """The same with vLLM's W4A8 switch off (``VLLM_CPU_INT4_W4A8=0``): on an AMX CPU the
+    plugin's table then puts GPTQ layers on tinygemm."""
+    from cpu_quant.probe import local_cpu, serving_kernels
+
+    on_tinygemm = serving_kernels(local_cpu(), False).gptq_kernel == "tinygemm"
+    return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
+
+
+def has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
          "gptq": default_gptq_knob(),
          "gptq_head128": default_gptq_knob(),
          "gptq_head_bf16": default_gptq_knob(),
-         "gptq_stock": STOCK_GPTQ_KNOB}
-# arms that serve another arm's artifact with a switch of the plugin set
-SAME_ARTIFACT = {"gptq_stock": "gptq"}
-# the plugin's switches each arm runs with (exactly these; every pass checks it)
-ARM_ENV = {"gptq_stock": {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "0"}}
+         "gptq_stock": STOCK_GPTQ_KNOB,
+         "gptq_w4a16": w4a16_gptq_knob()}
+# arms that serve another arm's artifact with a switch set
+SAME_ARTIFACT = {"gptq_stock": "gptq", "gptq_w4a16": "gptq"}
+# the switches each arm runs with (exactly these; every pass checks it): the plugin's, and
+# vLLM's W4A8 switch
+ARM_ENV = {"gptq_stock": {"CPU_QUANT_PATCH_GPTQ_TINYGEMM": "0"},
+           "gptq_w4a16": {"VLLM_CPU_INT4_W4A8": "0"}}
+# arms that differ from ``gptq`` only where vLLM's W4A8 kernel runs (AMX): elsewhere the same
+# engine path twice, so they are measured only where torch sees AMX tiles
+AMX_ARMS = ("gptq_w4a16",)
+
+
+def _switches() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k.startswith("CPU_QUANT_") or k == "VLLM_CPU_INT4_W4A8"}
 
 
 # -- one pass (its own process) -----------------------------------------------------------------
@@ -172,7 +202,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
     bound = re.findall(r"local_rank=0, core ids=\[([0-9, ]*)\]", log)
     result = {"start_seconds": start, "rss_anon_bytes": rss, "memory": memory,
               "decode_tok_s": max(decode),
-              "switches": {k: v for k, v in os.environ.items() if k.startswith("CPU_QUANT_")},
+              "switches": _switches(),
               "decode_tokens": decode_tokens, "prompt_len": prompt_len, "enforce_eager": eager,
               "prefill_tok_s": max(prefill), "decode_all": decode, "prefill_all": prefill,
               "knobs": {arm: text in log for arm, text in KNOBS.items()},
@@ -312,7 +342,7 @@ def _head_layouts() -> dict[str, dict]:
 
 
 HEAD_LAYOUT = _head_layouts()
-ARMS = ("bf16", "gptq", "gptq_head128", "gptq_head_bf16", "gptq_stock", "cpu_int4")
+ARMS = ("bf16", "gptq", "gptq_head128", "gptq_head_bf16", "gptq_stock", "gptq_w4a16", "cpu_int4")
 # arms that only weigh the head's layout: not in a smoke run (the gptq arm runs the same path)
 HEAD_ARMS = ("gptq_head128", "gptq_head_bf16")
 
@@ -595,7 +625,7 @@ def _arm(name: str, path: Path, decode_tokens: int, eager: bool,
             raise HarnessError(f"{name}: vLLM bound its OpenMP threads to "
                                f"{data.get('omp_core_ids')}, not every core {cores}")
         if data.get("switches") != ARM_ENV.get(name, {}):
-            raise HarnessError(f"{name}: the pass ran with the plugin switches "
+            raise HarnessError(f"{name}: the pass ran with the switches "
                                f"{data.get('switches')}, not {ARM_ENV.get(name, {})}")
         return {m.name: float(data[m.name]) for m in METRICS}
 
@@ -688,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
-    parser.add_argument("--arms", default=",".join(ARMS),
-                        help=f"vLLM arms to measure, comma-separated (default: all of {ARMS})")
+    parser.add_argument("--arms", default=None,
+                        help=f"vLLM arms to measure, comma-separated (default: all of {ARMS}, "
+                             f"{', '.join(AMX_ARMS)} only where the CPU has AMX)")
     parser.add_argument("--llama-cpp", default="", metavar="TYPES",
                         help="also measure llama.cpp (llama-cpp-python, built into a peer venv "
                              "when missing) on the same model quantized to these GGUF types, "
@@ -703,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in args.llama_cpp.split(",") if t and t not in FTYPES]
     if bad:  # before minutes of quantization
         parser.error(f"unknown llama.cpp type(s) {', '.join(bad)}; known: {', '.join(FTYPES)}")
-    arms = [a for a in args.arms.split(",") if a]
+    arms = ([a for a in args.arms.split(",") if a] if args.arms is not None else
+            [a for a in ARMS if has_amx() or a not in AMX_ARMS])
     if not arms or set(arms) - set(ARMS):
         parser.error(f"--arms takes some of {', '.join(ARMS)}, got {args.arms!r}")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

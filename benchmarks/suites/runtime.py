@@ -27,6 +27,10 @@ Arms (baseline ``bf16``):
               smoke run
 ``gptq_stock``  the ``gptq`` checkpoint with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: stock vLLM's
               kernel (its log must name ``CPUWNA16LinearKernel``); not in the smoke run
+``gptq_w4a16``  the ``gptq`` checkpoint with ``VLLM_CPU_INT4_W4A8=0``, only where the CPU has
+              AMX (elsewhere it is the ``gptq`` arm again): vLLM's W4A8 kernel switched off, so
+              the plugin's table puts GPTQ layers on tinygemm (W4A16, exact); the speed that
+              W4A8 buys over the exact kernel
 ``cpu_int4``  ``cpu-quant``'s tinygemm layout, served through the cpu_quant plugin (its log must
               hold the tinygemm layout line)
 
@@ -95,6 +99,14 @@ def build(opts: SuiteOptions) -> Suite:
         for arm in tb.HEAD_ARMS:
             skipped.append(SkippedArm(arm, "smoke: the gptq arm runs the same kernels"))
             wanted.remove(arm)
+    if not opts.arms:
+        for arm in tb.AMX_ARMS:
+            if opts.smoke:  # speed only: tinygemm's engine path is the cpu_int4 arm's
+                skipped.append(SkippedArm(arm, "smoke: the cpu_int4 arm runs the same kernel"))
+                wanted.remove(arm)
+            elif not tb.has_amx():  # without AMX vLLM's W4A8 switch changes nothing
+                skipped.append(SkippedArm(arm, "no AMX: the gptq arm already runs W4A16"))
+                wanted.remove(arm)
     why = stock_gptq_kernel_missing()
     if why and "gptq_stock" in wanted:
         if not opts.smoke:  # only a smoke run may skip an arm: stop before any quantization
