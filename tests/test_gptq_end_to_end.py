@@ -18,7 +18,7 @@ from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.quantize.plan import group_for_module
 
 from .conftest import REPO, needs_stock_vllm_gptq_kernel, read_config
-from .helpers.vllm_paths import NEAR_TIE_NATS, stock_vllm_gptq_path
+from .helpers.vllm_paths import NEAR_TIE_NATS, reference_context, stock_vllm_gptq_path
 
 PROMPTS = [
     "The capital of France is",
@@ -139,9 +139,8 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
     results, log = _vllm_greedy(gptq_artifact, prompts, tmp_path)
     assert "CPUWNA16LinearKernel" in log  # the 4-bit kernel really ran
     assert "auto_gptq" in log
-    # on AMX that is the W4A8 kernel (int8 activations): its own tolerance (helpers/vllm_paths)
-    _assert_greedy_matches_dequantized(gptq_artifact, prompts, results,
-                                       NEAR_TIE_NATS[stock_vllm_gptq_path()])
+    # on AMX that is the W4A8 kernel (int8 activations): the reference computes as it does
+    _assert_greedy_matches_dequantized(gptq_artifact, prompts, results, stock_vllm_gptq_path())
 
 
 def _default_gptq_kernel() -> str:
@@ -186,17 +185,20 @@ def test_default_kernel_serves_the_artifact_on_tinygemm_like_its_dequantized_wei
     # one forward per generated token (the first one also prefills the prompts)
     assert total == linears * NEW_TOKENS, calls
     assert calls["kernel"] >= linears * (NEW_TOKENS - 1), calls  # decode steps: the kernel
-    _assert_greedy_matches_dequantized(gptq_artifact, prompts, results, NEAR_TIE_NATS["w4a16"])
+    _assert_greedy_matches_dequantized(gptq_artifact, prompts, results, "w4a16")
 
 
 def _assert_greedy_matches_dequantized(artifact: Path, prompts: list[list[int]],
-                                       results: list[dict], near_tie: float) -> None:
-    """vLLM's greedy tokens equal those of a torch model holding the dequantized weights, up to
-    the first step whose top-2 margin is within ``near_tie`` nats (the kernel's arithmetic
-    differs from torch's bf16: helpers/vllm_paths.py)."""
+                                       results: list[dict], path: str) -> None:
+    """vLLM's greedy tokens equal those of a torch model holding the dequantized weights and
+    computing as vLLM's kernel ``path`` does, up to the first step whose top-2 margin is within
+    that path's near-tie (the rest of the model differs from torch's bf16:
+    helpers/vllm_paths.py)."""
+    near_tie = NEAR_TIE_NATS[path]
     reference = load_model(artifact, torch.bfloat16)
     for prompt, res in zip(prompts, results, strict=True):
-        expected = _greedy(reference, torch.tensor([prompt]), NEW_TOKENS)[0].tolist()
+        with reference_context(reference, path):
+            expected = _greedy(reference, torch.tensor([prompt]), NEW_TOKENS)[0].tolist()
         got = res["tokens"]
         first_diff = next((i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b), None)
         if first_diff is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,22 +118,27 @@ def _greedy(model, prompts: torch.Tensor, new_tokens: int, progress: bool = Fals
     return torch.stack(generated, 1)
 
 
-def _int8_per_token(module, inputs):
-    """A linear's input fake-quantized the way vLLM's W4A8 kernel does before its int8 GEMM
-    (``quantize.hessians.int8_per_token``), emulated in torch."""
-    return (int8_per_token(inputs[0]),) + tuple(inputs[1:])
+def _w4a8_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module`` as vLLM's W4A8 kernel computes it: the input quantized to int8 per token
+    (``quantize.hessians.int8_per_token``) and multiplied by the weights in float32, the output
+    in the input's dtype. With float32 weights (``eval``'s default) this gives
+    ``int4_scaled_mm_cpu``'s outputs exactly once both are in bf16 (tested on an AMX CPU); a bf16
+    model's weights are the dequantized ones rounded to bf16, the only difference left."""
+    bias = None if module.bias is None else module.bias.float()
+    return F.linear(int8_per_token(x.float()), module.weight.float(), bias).to(x.dtype)
 
 
 @contextmanager
 def w4a8_activations(model):
-    """Within the block, every linear layer of ``model`` sees int8-per-token activations."""
-    handles = [m.register_forward_pre_hook(_int8_per_token) for m in model.modules()
-               if isinstance(m, torch.nn.Linear)]
+    """Within the block, every linear layer of ``model`` computes as the W4A8 kernel does."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.forward = partial(_w4a8_linear, m)
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
+        for m in linears:
+            del m.forward
 
 
 VARIANTS = {"weights": nullcontext, "w4a8_emulated": w4a8_activations}
