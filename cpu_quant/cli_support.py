@@ -177,6 +177,10 @@ def quantize_options(fn):
                      help="Group size for the output head (default: 32 for calibrated GPTQ "
                           "on the symmetric grid when --group is larger, else --group's rule; "
                           "see docs/gptq.md)."),
+        click.option("--down-group", type=int, default=None,
+                     help="Group size for the MLP's down projections (default: 64 for "
+                          "calibrated GPTQ on the symmetric grid when --group is larger, else "
+                          "--group; see docs/gptq.md)."),
         click.option("--strict-group", is_flag=True,
                      help="Refuse modules that --group does not divide instead of using a smaller group."),
         click.option("--no-eval", is_flag=True, help="Skip the short fidelity check at the end."),
@@ -223,7 +227,8 @@ def _settings_from(opts: dict, symmetric: bool):
     return QuantSettings(
         method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
         act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],
-        head_group=opts["head_group"], strict_group=opts["strict_group"], calib=opts["calib"],
+        head_group=opts["head_group"], down_group=opts["down_group"],
+        strict_group=opts["strict_group"], calib=opts["calib"],
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
         offload_activations=opts["offload_activations"], symmetric=symmetric,
         positive_scales=opts["positive_scales"], w4a8_hessians=opts["w4a8_hessians"],

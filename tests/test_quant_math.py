@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from cpu_quant.errors import CpuQuantError
 from cpu_quant.quantize.gptq import GridSpec, _damped_cholesky_inverse, quantize_gptq, quantize_rtn
 from cpu_quant.quantize.grid import GroupQuant, quantize_codes, round_scale
 from cpu_quant.quantize.scale_search import (
@@ -443,3 +445,24 @@ def test_the_head_takes_groups_of_32_under_calibrated_symmetric_gptq_only():
                   QuantSettings(symmetric=False), QuantSettings(method="rtn", calib="none")):
         assert head_group(other, 576, limits) == (other.group_size, "--group")
     assert head_group(QuantSettings(), 48, limits) == (128, "--group")  # 32 does not divide 48
+
+
+def test_the_down_projection_takes_groups_of_64_under_calibrated_symmetric_gptq_only():
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize.plan import DOWN_GROUP, linear_group, plan_linear
+    from cpu_quant.quantize.settings import QuantSettings
+
+    limits = get_format("gptq").limits
+    down, up = "model.layers.3.mlp.down_proj", "model.layers.3.mlp.up_proj"
+    assert linear_group(down, QuantSettings(), limits) == (DOWN_GROUP, "--group") == (64, "--group")
+    assert linear_group(up, QuantSettings(), limits) == (128, "--group")
+    # an explicit --down-group wins (128: the rule before); elsewhere --group's rule
+    assert linear_group(down, QuantSettings(down_group=128), limits) == (128, "--down-group")
+    for other in (QuantSettings(group_size=32), QuantSettings(group_size=64),
+                  QuantSettings(group_size=-1), QuantSettings(method="rtn"),
+                  QuantSettings(symmetric=False), QuantSettings(method="rtn", calib="none")):
+        assert linear_group(down, other, limits) == (other.group_size, "--group")
+    # in-features 64 does not divide: the usual fallback, and --strict-group names the flag
+    assert plan_linear(down, 1504, 576, 64, False, limits).group_size == 32
+    with pytest.raises(CpuQuantError, match="--down-group 64 does not divide"):
+        plan_linear(down, 1504, 576, 64, True, limits, flag="--down-group")

@@ -114,8 +114,10 @@ ARMS: tuple[FidelityArm, ...] = (
                 flags=("--method", "gptq", "--no-act-order", NO_HEAD)),
     FidelityArm("gptq+head", "GPTQ, head quantized in groups of 32, smoothing folded in",
                 "cpu-quant", flags=("--method", "gptq")),
-    FidelityArm("gptq+head-plain", "GPTQ, head quantized in the run's group, no smoothing",
-                "cpu-quant", flags=("--method", "gptq", "--no-smooth", "--head-group", "128")),
+    FidelityArm("gptq+head-plain", "GPTQ, head and down projections quantized in the run's "
+                "group, no smoothing", "cpu-quant",
+                flags=("--method", "gptq", "--no-smooth", "--head-group", "128",
+                       "--down-group", "128")),
     FidelityArm("gptq+head-nosmooth", "GPTQ, head quantized in groups of 32, no smoothing",
                 "cpu-quant", flags=("--method", "gptq", "--no-smooth")),
     FidelityArm("gptq+head-g128", "GPTQ, head quantized in the run's group, smoothing folded in",

@@ -300,6 +300,9 @@ def check_cpu_quant_report(dst: Path, settings: dict, flags: list[str]) -> dict:
     head_group = int(flags[flags.index("--head-group") + 1]) if "--head-group" in flags else None
     if s.get("head_group") != head_group:
         problems.append(f"head_group {s.get('head_group')} != {head_group}")
+    down_group = int(flags[flags.index("--down-group") + 1]) if "--down-group" in flags else None
+    if s.get("down_group") != down_group:
+        problems.append(f"down_group {s.get('down_group')} != {down_group}")
     if problems:
         raise ValueError("settings did not reach the pipeline: " + "; ".join(problems))
     return report

@@ -55,6 +55,7 @@ from .plan import (
     check_group,
     dynamic_overrides,
     head_group,
+    linear_group,
     plan_linear,
 )
 from .provenance import provenance
@@ -111,6 +112,8 @@ def check_formats(formats: list[Format], settings: QuantSettings) -> Limits:
     check_group("--group", settings.group_size, limits)
     if settings.head_group is not None:
         check_group("--head-group", settings.head_group, limits)
+    if settings.down_group is not None:
+        check_group("--down-group", settings.down_group, limits)
     return limits
 
 
@@ -241,9 +244,13 @@ def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits
                ) -> tuple[list[dict[str, LinearPlan]], LinearPlan]:
     """Every linear's plan (per layer) and the head's, from the shapes alone: a group the
     formats refuse (``--strict-group``) is refused before any work, not after the layers."""
-    layers = [{name: plan_linear(name, m.in_features, m.out_features, settings.group_size,
-                                 settings.strict_group, limits)
-               for name, m in stream.linears(i).items()} for i in range(stream.n_layers)]
+    def plan(name: str, m) -> LinearPlan:
+        group, flag = linear_group(name, settings, limits)
+        return plan_linear(name, m.in_features, m.out_features, group, settings.strict_group,
+                           limits, flag=flag)
+
+    layers = [{name: plan(name, m) for name, m in stream.linears(i).items()}
+              for i in range(stream.n_layers)]
     vocab, hidden_size = stream.ckpt.shape(stream.head_weight_name())
     group, flag = head_group(settings, hidden_size, limits)
     head = plan_linear(HEAD_NAME, hidden_size, vocab, group, settings.strict_group, limits,

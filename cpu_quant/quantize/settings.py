@@ -19,6 +19,7 @@ class QuantSettings:
     damp: float = 0.01
     quantize_head: bool = True
     head_group: int | None = None  # None: plan.head_group's default
+    down_group: int | None = None  # None: plan.down_group's default
     strict_group: bool = False
     calib: str | None = None  # None = built-in corpus; "none" = data-free (RTN only)
     samples: int = 128
