@@ -170,15 +170,15 @@ def reference_greedy(model, prompt_ids: list[int]) -> list[int]:
 def assert_greedy_agrees(got: list[int], top: list[dict[int, float]], expected: list[int],
                          masked: set[int], tolerance: float, what: str) -> None:
     """``got`` equals ``expected`` up to a first difference at which the reference's token is
-    vLLM's runner-up, by at most ``tolerance`` nats, among the tokens not ``masked``."""
+    within ``tolerance`` nats of vLLM's choice in vLLM's log-probs (among the tokens not
+    ``masked``): where several tokens lie that close, either arithmetic may pick any of them."""
     assert len(got) == len(expected) == NEW_TOKENS, (what, got, expected)
     diff = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
     if diff is None:
         return
     step = {t: lp for t, lp in top[diff].items() if t not in masked}
-    runner_up = max((lp for t, lp in step.items() if t != got[diff]), default=float("-inf"))
     margin = step[got[diff]] - step.get(expected[diff], float("-inf"))
-    assert step.get(expected[diff]) == runner_up and margin <= tolerance, (
+    assert margin <= tolerance, (
         f"{what}: vLLM left the dequantized model's greedy path at token {diff} by "
         f"{margin:.3f} nats (tolerance {tolerance}; vLLM's top log-probs there: {top[diff]}):\n"
         f"  vLLM      {got}\n  reference {expected}")
