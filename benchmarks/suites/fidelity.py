@@ -15,10 +15,14 @@ The arms are the rows of ``ARMS`` (add a method by adding one row):
 ``gptq``                   GPTQ as cpu-quant runs it by default (smoothing folded in, act-order
                            with static groups, so ``g_idx`` stays trivial), head bf16
 ``gptq-natural-order``     GPTQ sweeping the columns in natural order (``--no-act-order``)
-``gptq+head``              GPTQ with the output head quantized too, in groups of 32, and activation
-                           smoothing folded into the weights first (cpu-quant's default)
-``gptq+head-plain``        the default without smoothing and with the head in the run's group
-                           (``--no-smooth --head-group 128``: the default before both)
+``gptq+head``              GPTQ with the output head quantized too, in groups of 32, the MLP's
+                           down projections in groups of 64, and activation smoothing folded
+                           into the weights first (cpu-quant's default)
+``gptq+head-plain``        the default without smoothing, with the head and the down projections
+                           in the run's group (``--no-smooth --head-group 128 --down-group
+                           128``: the default before all three)
+``gptq+head-down128``      the default with the down projections in the run's group
+                           (``--down-group 128``)
 ``gptq+head-nosmooth``     the default without smoothing (``--no-smooth``)
 ``gptq+head-g128``         the default with the head in the run's group (``--head-group 128``)
 ``gptq+head+w4a8-hess``    the default with GPTQ's Hessians from int8-per-token activations
@@ -118,6 +122,9 @@ ARMS: tuple[FidelityArm, ...] = (
                 "group, no smoothing", "cpu-quant",
                 flags=("--method", "gptq", "--no-smooth", "--head-group", "128",
                        "--down-group", "128")),
+    FidelityArm("gptq+head-down128", "GPTQ, head in groups of 32, down projections in the "
+                "run's group, smoothing folded in", "cpu-quant",
+                flags=("--method", "gptq", "--down-group", "128")),
     FidelityArm("gptq+head-nosmooth", "GPTQ, head quantized in groups of 32, no smoothing",
                 "cpu-quant", flags=("--method", "gptq", "--no-smooth")),
     FidelityArm("gptq+head-g128", "GPTQ, head quantized in the run's group, smoothing folded in",

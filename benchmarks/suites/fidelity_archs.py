@@ -1,7 +1,7 @@
 """Suite ``fidelity_archs``: the fidelity methods of ``cpu-quant gptq`` on a tiny model of every
 supported architecture, each against its own bf16 source on held-out text.
 
-Per architecture (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3: ``TINY_ARCHS``), four arms,
+Per architecture (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3: ``TINY_ARCHS``), five arms,
 the ``+head`` rows of the ``fidelity`` suite (``fidelity.ARMS``), named ``ARCH:ROW``:
 
 =========================  =======================================================================
@@ -10,7 +10,10 @@ the ``+head`` rows of the ``fidelity`` suite (``fidelity.ARMS``), named ``ARCH:R
                            with it (``baseline_of``)
 ``gptq+head-nosmooth``     ``--no-smooth``
 ``gptq+head-g128``         ``--head-group 128`` (the run's group; 128 divides hidden 256)
-``gptq+head-plain``        ``--no-smooth --head-group 128``
+``gptq+head-plain``        ``--no-smooth --head-group 128 --down-group 128`` (the defaults before
+                           all three)
+``gptq+head-down128``      ``--down-group 128`` (the down projections in the run's group; 128
+                           divides intermediate 512)
 =========================  =======================================================================
 
 Smoothing does not fold into gemma2, gemma3 or phi3 (``smooth_fold.refuse``): there the default
@@ -74,7 +77,8 @@ SMOKE_SHAPE = TinyShape(hidden=128, intermediate=256, layers=2, heads=4, kv_head
                         init_std=1 / math.sqrt(128))
 REAL = {**q.REAL, "samples": 32}
 EVAL = {"windows": 4, "seqlen": 512, "prompts": 4, "new_tokens": 32}
-ROWS = ("gptq+head", "gptq+head-nosmooth", "gptq+head-g128", "gptq+head-plain")
+ROWS = ("gptq+head", "gptq+head-nosmooth", "gptq+head-g128", "gptq+head-plain",
+        "gptq+head-down128")
 DEFAULT = ROWS[0]
 SMOKE_ARCHS = ("llama", "gemma2")
 SMOKE_ROWS = ("gptq+head", "gptq+head-nosmooth")
