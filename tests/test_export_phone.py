@@ -40,7 +40,7 @@ from cpu_quant.export.verify import (  # noqa: E402
 )
 from cpu_quant.models.tiny import make_tiny_model  # noqa: E402
 
-from .conftest import SMALL_CALIB, build_once, run_cli  # noqa: E402
+from .conftest import build_once, run_cli  # noqa: E402
 
 SMALL = dict(max_seq_len=48, prefill_len=16, calib_len=48, calib_decode_tokens=4,
              verify_windows=2, verify_len=48, gen_tokens=8, gptq_samples=8, gptq_seqlen=64)
@@ -820,7 +820,12 @@ def test_existing_output_is_refused_before_any_work(xnnpack_8da8w, peaked_llama:
 # Lowering 30 layers is most of the demo export's time, whatever the length, so the program
 # has one method (prefill length 1: decode alone, prompts a token at a time); verification
 # scores 4 windows of 64 tokens.
-DEMO = dict(max_seq_len=64, prefill_len=1, verify_len=64, verify_windows=4, gen_tokens=8)
+DEMO = dict(max_seq_len=64, prefill_len=1, verify_len=64, verify_windows=8, gen_tokens=8)
+# The demo model's GPTQ run for its 8da4w program. At 16 x 256 tokens (the other tests' small
+# calibration) and 4 x 64 verification tokens its quantized graph measured x1.154 the float
+# perplexity on an AMD EPYC and x1.206 on an Intel Xeon with one thread, past the 8da4w floor
+# of x1.20: twice the calibration and the verification keep the test off that edge.
+DEMO_CALIB = ["--samples", "32", "--seqlen", "256"]
 
 
 @pytest.fixture(scope="session")
@@ -829,7 +834,7 @@ def demo_gptq_g32(demo_src: Path, artifacts_dir: Path) -> Path:
     shared demo quantization is group 128 with signed scales, which XNNPACK cannot hold)."""
     dst = artifacts_dir / "demo-gptq-g32-positive"
     return build_once(dst, lambda: run_cli("gptq", str(demo_src), str(dst), "--group", "32",
-                                           "--positive-scales", *SMALL_CALIB, "--no-eval"))
+                                           "--positive-scales", *DEMO_CALIB, "--no-eval"))
 
 
 def test_demo_model_8da4w_holds_the_gptq_codes(demo_src: Path, demo_gptq_g32: Path,
@@ -847,6 +852,8 @@ def test_demo_model_8da4w_holds_the_gptq_codes(demo_src: Path, demo_gptq_g32: Pa
     assert len(codes) == 211
     assert_program_holds(codes, readback.xnnpack_weights(out / "model.pte"))
     v = report["verification"]
+    print("8da4w verification:", json.dumps(v["quantized_vs_float"] if "quantized_vs_float" in v
+                                            else v)[:2000])
     assert v["passed"] and report["ops"]["decode"]["delegated"].get("XnnpackBackend")
     assert set(report["ops"]) == {"decode"}  # prefill length 1: one method
     assert report["sizes"]["ratio_vs_float32"] < 0.2
