@@ -17,10 +17,11 @@ the ``+head`` rows of the ``fidelity`` suite (``fidelity.ARMS``), named ``ARCH:R
 =========================  =======================================================================
 
 Smoothing does not fold into gemma2, gemma3 or phi3 (``smooth_fold.refuse``): there the default
-and ``--no-smooth`` build the same artifact, and so do ``--head-group 128`` and both off. Those
-rows stay in the result; the suite's notes say why, every pass records the artifact's
-``plan_notes`` from its ``quantization_report.json`` (``extras.plan_notes``) and whether it
-folded (``extras.smooth``), and the artifacts' digests in the provenance show the pairs equal.
+and ``--no-smooth`` build the same artifact (``--head-group 128`` and ``gptq+head-plain`` differ
+by the down projections' group only). Those rows stay in the result; the suite's notes say
+why, every pass records the artifact's ``plan_notes`` from its ``quantization_report.json``
+(``extras.plan_notes``) and whether it folded (``extras.smooth``), and the artifacts' digests
+in the provenance show the pair equal.
 
 **The models** (``cpu_quant.models.tiny.make_tiny_model``, seed 0, the demo tokenizer's 49152
 tokens): hidden 256, intermediate 512, 4 layers, 4 heads (head_dim 64), 2 kv heads, the head
@@ -135,9 +136,8 @@ def build(opts: q.SuiteOptions) -> Suite:
         why = refuse(json.loads((src / "config.json").read_text()))
         if why:
             notes.append(f"{arch}: smoothing does not apply ({why}); its gptq+head and "
-                         "gptq+head-nosmooth arms build the same artifact, and so do "
-                         "gptq+head-g128 and gptq+head-plain (see their artifact digests and "
-                         "extras.plan_notes)")
+                         "gptq+head-nosmooth arms build the same artifact (see their artifact "
+                         "digests and extras.plan_notes)")
         for row in rows:
             spec = specs[row]
             named = type(spec)(arm_name(arch, row), f"{arch}: {spec.description}", spec.tool,
