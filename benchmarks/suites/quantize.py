@@ -166,18 +166,23 @@ def untied_copy(src: Path, dst: Path) -> Path:
 
 
 def matched_dynamic(src: Path, group: int) -> dict:
-    """The ``dynamic`` rules cpu-quant's plan gives this model's decoder linears (head excluded)."""
+    """The ``dynamic`` rules cpu-quant's default calibrated run of ``--group GROUP`` gives this
+    model's decoder linears (head excluded): the down projections' own group included."""
     from cpu_quant.formats import get_format
     from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.quantize.plan import dynamic_overrides, plan_linear
+    from cpu_quant.quantize.plan import dynamic_overrides, linear_group, plan_linear
+    from cpu_quant.quantize.settings import QuantSettings
 
+    limits = get_format("gptq").limits
+    settings = QuantSettings(group_size=group)
     ckpt = open_checkpoint(src)
     plans = []
     for name in ckpt.names:
         if ".layers." in name and name.endswith("_proj.weight") and len(ckpt.shape(name)) == 2:
             out_f, in_f = ckpt.shape(name)
-            plans.append(plan_linear(name[: -len(".weight")], in_f, out_f, group, False,
-                                     get_format("gptq").limits))
+            module = name[: -len(".weight")]
+            requested, flag = linear_group(module, settings, limits)
+            plans.append(plan_linear(module, in_f, out_f, requested, False, limits, flag=flag))
     ckpt.close()
     return dynamic_overrides([p for p in plans if p.quantize or p.reason], group)
 
