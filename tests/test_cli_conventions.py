@@ -160,3 +160,12 @@ def test_python_dash_m_is_the_same_command_line():
     helped = subprocess.run([sys.executable, "-m", "cpu_quant", "--help"], capture_output=True,
                             text=True, timeout=120)
     assert helped.returncode == 0 and helped.stdout.startswith("Usage: cpu-quant"), helped.stdout
+
+
+def test_a_down_group_the_formats_cannot_store_is_one_line_before_any_work(tiny_llama, tmp_path):
+    dst = tmp_path / "dst"
+    res = _invoke("gptq", str(tiny_llama), str(dst), "--down-group", "48", "--no-eval")
+    assert res.exit_code != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--down-group 48 is not stored by" in lines[0], res.stderr
+    assert not dst.exists()
