@@ -852,8 +852,6 @@ def test_demo_model_8da4w_holds_the_gptq_codes(demo_src: Path, demo_gptq_g32: Pa
     assert len(codes) == 211
     assert_program_holds(codes, readback.xnnpack_weights(out / "model.pte"))
     v = report["verification"]
-    print("8da4w verification:", json.dumps(v["quantized_vs_float"] if "quantized_vs_float" in v
-                                            else v)[:2000])
     assert v["passed"] and report["ops"]["decode"]["delegated"].get("XnnpackBackend")
     assert set(report["ops"]) == {"decode"}  # prefill length 1: one method
     assert report["sizes"]["ratio_vs_float32"] < 0.2
