@@ -39,11 +39,10 @@ HEAD_NAME = "lm_head"
 # folded in, for 1.1 MB more scales (fidelity-20261204T185718Z.json).
 HEAD_GROUP = 32
 # The MLP's down projection's default group under calibrated symmetric GPTQ when ``--group`` is
-# larger. Its input (the gated activation) carries the largest outliers; smoothing moves them
-# into the weights' columns, where one scale per 128 columns serves them badly. On the demo
-# model (whose other linears already take 64: 576 in-features) it cut held-out KL from 0.0878
-# to 0.0840 and W4A8 KL from 0.1017 to 0.0975 (the fidelity suite's results), for 1/16 bit more
-# per down-projection weight.
+# larger. Its input (the gated activation) carries the largest outliers. On the demo
+# model (whose other linears already take 64: 576 in-features) it cut held-out KL from 0.0892
+# to 0.0840 and W4A8 KL from 0.1031 to 0.0975, and lowered both on a tiny model of every
+# architecture (docs/results.md, fidelity), for 1/16 bit more per down-projection weight.
 DOWN_GROUP = 64
 DOWN_LEAF = "mlp.down_proj"
 
