@@ -99,21 +99,13 @@ QWEN05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 STOCK_GPTQ_KNOB = "Using CPUWNA16LinearKernel"
 
 
-def default_gptq_knob() -> str:
+def default_gptq_knob(w4a8: bool = True) -> str:
     """What the ``gptq`` arm's log must hold on this CPU: the plugin's per-layer-type line where
-    its kernel table puts GPTQ layers on tinygemm, vLLM's own kernel line elsewhere."""
+    its kernel table puts GPTQ layers on tinygemm, vLLM's own kernel line elsewhere. ``w4a8``:
+    vLLM's ``VLLM_CPU_INT4_W4A8`` switch (off, an AMX CPU's table row puts them on tinygemm)."""
     from cpu_quant.probe import local_cpu, serving_kernels
 
-    on_tinygemm = serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
-    return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
-
-
-def w4a16_gptq_knob() -> str:
-    """The same with vLLM's W4A8 switch off (``VLLM_CPU_INT4_W4A8=0``): on an AMX CPU the
-    plugin's table then puts GPTQ layers on tinygemm."""
-    from cpu_quant.probe import local_cpu, serving_kernels
-
-    on_tinygemm = serving_kernels(local_cpu(), False).gptq_kernel == "tinygemm"
+    on_tinygemm = serving_kernels(local_cpu(), w4a8).gptq_kernel == "tinygemm"
     return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
 
 
@@ -128,7 +120,7 @@ KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
          "gptq_head128": default_gptq_knob(),
          "gptq_head_bf16": default_gptq_knob(),
          "gptq_stock": STOCK_GPTQ_KNOB,
-         "gptq_w4a16": w4a16_gptq_knob()}
+         "gptq_w4a16": default_gptq_knob(w4a8=False)}
 # arms that serve another arm's artifact with a switch set
 SAME_ARTIFACT = {"gptq_stock": "gptq", "gptq_w4a16": "gptq"}
 # the switches each arm runs with (exactly these; every pass checks it): the plugin's, and
