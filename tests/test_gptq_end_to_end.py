@@ -15,7 +15,7 @@ from cpu_quant.eval.dequantized import load_model
 from cpu_quant.eval.fidelity import EvalSettings, _greedy, evaluate_artifact
 from cpu_quant.formats.gptq import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.plan import group_for_module
+from cpu_quant.quantize.plan import DOWN_GROUP, group_for_module
 
 from .conftest import REPO, needs_stock_vllm_gptq_kernel, read_config
 from .helpers.vllm_paths import NEAR_TIE_NATS, reference_context, stock_vllm_gptq_path
@@ -37,11 +37,11 @@ def test_config_describes_a_vllm_cpu_checkpoint(gptq_artifact: Path):
     assert q["group_size"] == 128 and q["lm_head"] is True
     assert cfg["tie_word_embeddings"] is False
     # hidden size 576 is not divisible by 128: those modules carry a group-64 override, in
-    # both HF names and vLLM's fused names
+    # both HF names and vLLM's fused names; the down projections take groups of 64 by default
     assert group_for_module(q["dynamic"], "model.layers.3.self_attn.qkv_proj", 128) == 64
     assert group_for_module(q["dynamic"], "model.layers.3.mlp.gate_up_proj", 128) == 64
     assert group_for_module(q["dynamic"], "model.layers.3.self_attn.q_proj", 128) == 64
-    assert group_for_module(q["dynamic"], "model.layers.3.mlp.down_proj", 128) == 128
+    assert group_for_module(q["dynamic"], "model.layers.3.mlp.down_proj", 128) == DOWN_GROUP
     # the head: groups of 32, calibrated GPTQ's default for it (plan.HEAD_GROUP)
     assert group_for_module(q["dynamic"], "lm_head", 128) == 32
     report = json.loads((gptq_artifact / "quantization_report.json").read_text())

@@ -60,7 +60,7 @@ from benchmarks.peers import gptqmodel_env
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.formats.gptq import dequantize_gptq
 from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.plan import group_for_module
+from cpu_quant.quantize.plan import DOWN_GROUP, group_for_module
 
 from .conftest import REPO, build_once, run_cli
 
@@ -239,10 +239,10 @@ def test_gptqmodel_loader_dequantizes_the_default_artifact_identically(peer, gpt
     assert {m["kernel"] for m in run.modules.values()} == {"TorchLinear"}
     assert run.result["model_dtype"] == "bfloat16"
     assert run.result["tie_word_embeddings"] is False
-    # the head and both override groups really reached GPTQModel's modules
+    # the head, the hidden-size and the down-projection groups really reached GPTQModel's modules
     assert run.modules["lm_head"]["group_size"] == 32
     assert run.modules["model.layers.0.self_attn.q_proj"]["group_size"] == 64
-    assert run.modules["model.layers.0.mlp.down_proj"]["group_size"] == 128
+    assert run.modules["model.layers.0.mlp.down_proj"]["group_size"] == DOWN_GROUP
     assert_matches_ours(run, gptq_artifact, tokens)
 
 
