@@ -3,9 +3,16 @@
 ``python -m benchmarks.memory_trace --depth 4 [--samples 8] [--seqlen 512] [--batch-size 8]
 [--interval 0.02] [--workdir DIR] [--out DIR]``
 
-Runs the quantizer through its API (``quantize_checkpoint``) on the memory suite's synthetic model
-at ``--depth`` times the demo model's 30 layers, with the memory suite's settings, while a sampler
-thread reads this process's ``RssAnon`` every ``--interval`` seconds. Each time a new maximum is
+``python -m benchmarks.memory_trace --model demo [--build default|plain] [--samples 128] ...``
+
+Runs the quantizer through its API (``quantize_checkpoint``) while a sampler thread reads this
+process's ``RssAnon`` every ``--interval`` seconds. The model: the memory suite's synthetic one
+at ``--depth`` times the demo model's 30 layers, with the memory suite's settings (the plain
+build: no smoothing, the run's group everywhere it fits); or, with ``--model demo``, the demo
+model with the fidelity suite's calibration (128 x 512 unless given) and one of its builds:
+``default`` is what ``cpu-quant gptq`` does with no fidelity flag (its ``gptq+head`` arm),
+``plain`` its ``gptq+head-plain`` arm (no smoothing, head and down projections in the run's
+group). Each time a new maximum is
 seen, it records the Python stack of every thread (innermost frames last) and glibc's
 ``mallinfo2`` (bytes in use on the heaps, free on the heaps, and in direct mmaps). It also records
 ``RssAnon`` and ``mallinfo2`` after every completed layer.
@@ -25,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from cpu_quant.memory import _libc, anon_rss_bytes
@@ -32,6 +40,12 @@ from cpu_quant.memory import _libc, anon_rss_bytes
 from . import provenance
 from .peers import gptqmodel_env
 from .suites.memory import REAL, synthetic_model
+
+DEMO_SAMPLES = 128  # the fidelity suite's calibration: 128 x 512
+# the fidelity suite's builds as settings: "default" is the gptq command with no fidelity flag
+# (smoothing where it applies, the head and down projections in their default groups)
+DEMO_BUILDS = {"default": {"smooth": None},
+               "plain": {"smooth": False, "head_group": REAL["group"], "down_group": REAL["group"]}}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -113,8 +127,12 @@ class Tracer:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("synthetic", "demo"), default="synthetic")
+    ap.add_argument("--build", choices=("default", "plain"), default=None,
+                    help="with --model demo: the fidelity suite's build (default: default)")
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=REAL["samples"])
+    ap.add_argument("--samples", type=int, default=None,
+                    help=f"default: {REAL['samples']} (synthetic), {DEMO_SAMPLES} (demo)")
     ap.add_argument("--seqlen", type=int, default=REAL["seqlen"])
     ap.add_argument("--batch-size", type=int, default=REAL["batch_size"])
     ap.add_argument("--interval", type=float, default=0.02)
@@ -123,6 +141,10 @@ def main() -> int:
                          "$XDG_CACHE_HOME/cpu-quant/bench-work/memory-trace)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
+    if args.build is not None and args.model != "demo":
+        ap.error("--build applies to --model demo only")
+    if args.samples is None:
+        args.samples = DEMO_SAMPLES if args.model == "demo" else REAL["samples"]
     for name in ("depth", "samples", "seqlen", "batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -133,11 +155,20 @@ def main() -> int:
 
     if args.workdir is None:
         args.workdir = gptqmodel_env._cache_root() / "bench-work" / "memory-trace"
-    layers = REAL["base_layers"] * args.depth
-    src = synthetic_model(args.workdir / "inputs" / f"depth-{args.depth}x", layers, smoke=False)
-    dst = args.workdir / f"trace-{args.depth}x"
     settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
                              batch_size=args.batch_size)
+    if args.model == "demo":
+        from cpu_quant.models.demo import demo_model_path
+
+        args.build = args.build or "default"
+        src, label = demo_model_path(), f"demo-{args.build}"
+        settings = replace(settings, **DEMO_BUILDS[args.build])
+        layers = REAL["base_layers"]
+    else:
+        layers = REAL["base_layers"] * args.depth
+        src = synthetic_model(args.workdir / "inputs" / f"depth-{args.depth}x", layers, smoke=False)
+        label = f"{args.depth}x"
+    dst = args.workdir / f"trace-{label}"
     with Tracer(args.interval) as tracer:
         report = quantize_checkpoint(src, dst, settings, overwrite=True,
                                      progress=False, on_layer=tracer.on_layer)
@@ -148,7 +179,7 @@ def main() -> int:
                 "Python stacks of all threads and glibc mallinfo2; RssAnon and mallinfo2 after "
                 "every layer",
         "command": " ".join(sys.argv),
-        "source": str(src), "layers": layers,
+        "source": str(src), "layers": layers, "settings": asdict(settings),
         "interval_s": args.interval,
         "total_seconds": report.total_seconds,
         "malloc_mmap_threshold": report.provenance.get("malloc_mmap_threshold"),
@@ -158,7 +189,7 @@ def main() -> int:
         "provenance": provenance.collect(vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"memory-trace-{args.depth}x-{stamp}.json"
+    path = args.out / f"memory-trace-{label}-{stamp}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     last = tracer.peaks[-1]
     print(f"{path}: peak RssAnon {tracer.peak >> 20} MiB at {last['t']} s; MainThread at the peak:")
