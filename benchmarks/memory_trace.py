@@ -157,6 +157,7 @@ def main() -> int:
         args.workdir = gptqmodel_env._cache_root() / "bench-work" / "memory-trace"
     settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
                              batch_size=args.batch_size)
+    args.workdir.mkdir(parents=True, exist_ok=True)
     if args.model == "demo":
         from cpu_quant.models.demo import demo_model_path
 

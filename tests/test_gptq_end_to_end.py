@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,7 +48,11 @@ def test_config_describes_a_vllm_cpu_checkpoint(gptq_artifact: Path):
     report = json.loads((gptq_artifact / "quantization_report.json").read_text())
     assert len(report["tensors"]) == 30 * 7 + 1
     assert report["head_quantized"] is True
-    assert 4.1 < report["bits_per_weight"] < 4.3
+    # 4-bit codes and a bf16 scale per group: 4.25 bits in groups of 64, 4.5 for the head's 32
+    weights = sum(math.prod(t["shape"]) for t in report["tensors"])
+    bits = sum(math.prod(t["shape"]) * (4 + 16 / t["group_size"]) for t in report["tensors"])
+    assert report["bits_per_weight"] == pytest.approx(bits / weights, abs=1e-4)
+    assert 4.25 < report["bits_per_weight"] < 4.5
     assert all(t["damp"] is not None for t in report["tensors"])
     assert report["provenance"]["torch"].startswith("2.13")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
