@@ -361,12 +361,14 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
         name="x86-amx-w4a8",
         when=lambda f, w4a8: f.arch == "x86_64" and f.amx and w4a8,
         gptq_kernel="vllm", kernel_max_rows=64, prefill_gemm="bfloat16",
-        verified=False,
-        evidence="vLLM runs GPTQ layers through int4_scaled_mm_cpu (W4A8, AMX tiles) here, the "
-                 "path measured on an AMX host in this project's origin; tinygemm has not been "
-                 "measured beside it. AMX multiplies bf16 natively, so prefill stays in bf16. "
-                 "With VLLM_CPU_INT4_W4A8=0 vLLM would fall back to cpu_gemm_wna16, and the "
-                 "next row applies",
+        verified=True,
+        evidence="measured on an Intel Xeon with AMX (2 cores), 0.5B Qwen2 shapes, vLLM 0.32.0 "
+                 "compiled, 3 interleaved passes: decode 2.97x vLLM's bf16 with the GPTQ layers "
+                 "on vLLM's int4_scaled_mm_cpu (W4A8) against 2.05x on tinygemm "
+                 "(VLLM_CPU_INT4_W4A8=0), prefill of 512 tokens 0.71x against 0.37x. W4A8 "
+                 "rounds every activation to int8 per token: the demo model's held-out KL is "
+                 "0.0975 on it against 0.0840 with bf16 activations. AMX multiplies bf16 "
+                 "natively, so prefill stays in bf16",
     ),
     KernelRule(
         name="x86-avx512-bf16",
