@@ -20,6 +20,7 @@ process's order, shares out the GPTQ rows, and lets rank 0 alone write.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import shutil
 import time
@@ -325,6 +326,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 smooth_fold.HEAD if head_plan.quantize else None, progress, team)
             ckpt = smooth_fold.SmoothedCheckpoint(ckpt, folds, factors)
             stream = LayerStream(ckpt)
+            # the statistics pass's model and the unfolded stream's sit in reference cycles:
+            # free them, and the heap they left, before the quantization pass allocates its own
+            gc.collect()
+            release_free_heap()
             smoothing = smooth_fold.summary(choices, batches[:smooth_fold.STATS_BATCHES],
                                             time.perf_counter() - t_smooth)
         fingerprint = run_fingerprint(ckpt, settings, layout, batches)
