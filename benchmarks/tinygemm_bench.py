@@ -59,8 +59,10 @@ step's linear layers for each model's shapes, called one by one as the model cal
 M = 1 (decode; median of 50) and M = 512 (the prefill; median of 5; the head is left out, vLLM
 computes logits for one position), through each path (:func:`kernel_attribution`: the op, the
 tinygemm kernel alone, the op's dequantize path with a float32 and with a bf16 GEMM (the latter
-also with its eager dequantizer, ``int4_bf16_eager``), vLLM's
-``cpu_gemm_wna16`` where it exists, dense bf16 and float32); and the kernel against the
+also with its eager dequantizer, ``int4_bf16_eager``), the dequantize path for one row
+(``dequantize_only``: the dequantization's share), vLLM's ``cpu_gemm_wna16`` where it exists
+and its W4A8 ``int4_scaled_mm_cpu`` where the CPU has AMX, dense bf16 and float32); and the
+kernel against the
 dequantize path at M from 8 to 256, the measurement behind the kernel table's threshold. Set
 beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it splits
 a step into the linears' share and the rest (attention, norms, sampling, vLLM's per-step
@@ -70,6 +72,7 @@ overhead). Written to ``benchmarks/results/tinygemm-kernel-<stamp>.json`` with p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -395,10 +398,12 @@ def _median_ms(fn, reps: int = 50) -> float:
     return statistics.median(times) * 1e3
 
 
-def _wna16_layer(n: int, k: int, g: int):
+def _wna16_layer(n: int, k: int, g: int, w4a8: bool = False):
     """A layer holding random symmetric GPTQ weights [n, k], prepared by vLLM's own
-    ``CPUWNA16LinearKernel`` exactly as vLLM prepares a GPTQ layer on this CPU; returns
-    (kernel, layer), or None where vLLM cannot run it (no ``cpu_gemm_wna16`` in this build)."""
+    ``CPUWNA16LinearKernel`` exactly as vLLM prepares a GPTQ layer on this CPU, with
+    ``VLLM_CPU_INT4_W4A8`` set to ``w4a8``; returns (kernel, layer), or None where vLLM cannot
+    run that kernel here (``cpu_gemm_wna16`` is absent from its AVX2 build; the W4A8 kernel
+    ``int4_scaled_mm_cpu`` needs AMX)."""
     import torch
     from vllm.model_executor.kernels.linear import CPUWNA16LinearKernel
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
@@ -408,7 +413,10 @@ def _wna16_layer(n: int, k: int, g: int):
 
     from cpu_quant.formats.gptq import pack_gptq_qweight
 
-    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+    if w4a8 and not (torch.cpu._is_amx_tile_supported()
+                     and hasattr(torch.ops._C, "int4_scaled_mm_cpu")):
+        return None
+    if not w4a8 and not hasattr(torch.ops._C, "cpu_gemm_wna16"):
         return None
     config = MPLinearLayerConfig(full_weight_shape=(k, n), partition_weight_shape=(k, n),
                                  weight_type=scalar_types.uint4b8, act_type=torch.bfloat16,
@@ -425,15 +433,27 @@ def _wna16_layer(n: int, k: int, g: int):
     scales.input_dim, scales.output_dim = 0, 1
     layer.register_parameter("qweight", qweight)
     layer.register_parameter("scales", scales)
-    kernel = CPUWNA16LinearKernel(config, "qweight", "scales", None)
-    kernel.process_weights_after_loading(layer)
+    # the zero-point name lets the W4A8 preparation attach the all-8 zero points it needs
+    kernel = CPUWNA16LinearKernel(config, "qweight", "scales", "qzeros")
+    saved = os.environ.get("VLLM_CPU_INT4_W4A8")
+    os.environ["VLLM_CPU_INT4_W4A8"] = "1" if w4a8 else "0"
+    try:
+        kernel.process_weights_after_loading(layer)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CPU_INT4_W4A8")
+        else:
+            os.environ["VLLM_CPU_INT4_W4A8"] = saved
+    if layer.use_w4a8 != w4a8:
+        raise RuntimeError(f"vLLM prepared the layer with use_w4a8={layer.use_w4a8}, "
+                           f"asked for {w4a8}")
     return kernel, layer
 
 
 SWEEP_ROWS = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # where the kernel stops paying
 
 
-def _path_times(rows: int, k: int, g: int, packed, storage, w, wna16, dequantize_path
+def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_layers, dequantize_path
                 ) -> dict[str, float]:
     """Median ms of one call per path (see :func:`kernel_attribution`) at ``rows`` rows."""
     import torch
@@ -453,8 +473,13 @@ def _path_times(rows: int, k: int, g: int, packed, storage, w, wna16, dequantize
         arms["int4_bf16"] = lambda: dequantize_path(xk, packed, storage, g, "bfloat16")
         arms["int4_bf16_eager"] = lambda: dequantize_path(xk, packed, storage, g, "bfloat16",
                                                           fused=False)
-    if wna16 is not None:
-        arms["wna16"] = lambda: wna16[0].apply_weights(wna16[1], xk)
+        # the same path for one row: the tiles are dequantized as at M = 512, the product is a
+        # matrix-vector one, so this is (nearly) the dequantization's share alone
+        arms["dequantize_only"] = lambda: dequantize_path(xk[:1], packed, storage, g,
+                                                          "bfloat16")
+    for arm, made in vllm_layers.items():
+        if made is not None:
+            arms[arm] = functools.partial(made[0].apply_weights, made[1], xk)
     return {arm: round(_median_ms(fn, reps), 4) for arm, fn in arms.items()}
 
 
@@ -478,7 +503,10 @@ def kernel_attribution(model: str, src: Path) -> dict:
                   M = 512 dequantize + this CPU's prefill GEMM)
     ``int4_f32`` / ``int4_bf16``  at M = 512, the op's dequantize path with each prefill GEMM
     ``kernel``    the tinygemm kernel alone (``_weight_int4pack_mm_for_cpu``), at both M
-    ``wna16``     vLLM's ``cpu_gemm_wna16`` (stock GPTQ), where this vLLM build has it
+    ``dequantize_only``  at M = 512, the dequantize path for one row: the tiles made as at
+                  M = 512 with a matrix-vector product, the dequantization's share of ``int4``
+    ``wna16``     vLLM's ``cpu_gemm_wna16`` (stock GPTQ without AMX), where this build has it
+    ``w4a8``      vLLM's ``int4_scaled_mm_cpu`` (stock GPTQ with AMX: int8 activations)
     ``bf16`` / ``f32``  the dense GEMM (``F.linear``) on weights of that dtype
 
     and, for the layer linears of one step (the head left out), the kernel against the op's
@@ -499,7 +527,9 @@ def kernel_attribution(model: str, src: Path) -> dict:
         sview.fill_(0.01)
         zview.fill_(0.001)
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
-        unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w, _wna16_layer(n, k, g))
+        unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w,
+                                   {"wna16": _wna16_layer(n, k, g),
+                                    "w4a8": _wna16_layer(n, k, g, w4a8=True)})
     configured = rt.PREFILL_GEMM
 
     configured_fused = rt.FUSED_DEQUANTIZE
@@ -512,7 +542,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
             rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = configured, configured_fused
 
     per_module = []
-    for (name, n, k, g), (packed, storage, w, wna16) in unique.items():
+    for (name, n, k, g), (packed, storage, w, vllm_layers) in unique.items():
         count = sum(1 for lin in linears if lin == (name, n, k, g))
         row = {"module": name, "n": n, "k": k, "group": g, "calls_per_step": count,
                "int4_bytes": n * k // 2 + 4 * n * (k // g), "bf16_bytes": 2 * n * k}
@@ -520,7 +550,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
             if rows > 1 and name == "lm_head":  # the prefill computes logits for one position
                 continue
             row.update({f"{arm}_ms_m{rows}": ms for arm, ms in
-                        _path_times(rows, k, g, packed, storage, w, wna16, dequantize_path).items()})
+                        _path_times(rows, k, g, packed, storage, w, vllm_layers,
+                                    dequantize_path).items()})
         if name != "lm_head":
             row["sweep"] = {rows: _sweep_times(rows, k, g, packed, storage, dequantize_path,
                                                configured) for rows in SWEEP_ROWS}
@@ -530,7 +561,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
     def step(key: str) -> float:
         return round(sum((m.get(key) or 0.0) * m["calls_per_step"] for m in per_module), 3)
 
-    arms = ("int4", "kernel", "bf16", "f32", "wna16", "int4_f32", "int4_bf16", "int4_bf16_eager")
+    arms = ("int4", "kernel", "bf16", "f32", "wna16", "w4a8", "int4_f32", "int4_bf16",
+            "int4_bf16_eager", "dequantize_only")
     steps = {f"{arm}_m{rows}": step(f"{arm}_ms_m{rows}") for arm in arms for rows in ROWS
              if any(f"{arm}_ms_m{rows}" in m for m in per_module)}
     sweep = {rows: {path: round(sum(m["sweep"][rows][path] * m["calls_per_step"]
