@@ -61,7 +61,8 @@ computes logits for one position), through each path (:func:`kernel_attribution`
 tinygemm kernel alone, the op's dequantize path with a float32 and with a bf16 GEMM (the latter
 also with its eager dequantizer, ``int4_bf16_eager``), the dequantize path for one row
 (``dequantize_only``: the dequantization's share), vLLM's ``cpu_gemm_wna16`` where it exists
-and its W4A8 ``int4_scaled_mm_cpu`` where the CPU has AMX, dense bf16 and float32); and the
+and its W4A8 ``int4_scaled_mm_cpu`` where the CPU has AMX, dense bf16 and float32 through
+``F.linear``, and dense bf16 through vLLM's own prepacked oneDNN GEMM, ``onednn_bf16``); and the
 kernel against the
 dequantize path at M from 8 to 256, the measurement behind the kernel table's threshold. Set
 beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it splits
@@ -453,6 +454,18 @@ def _wna16_layer(n: int, k: int, g: int, w4a8: bool = False):
 SWEEP_ROWS = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # where the kernel stops paying
 
 
+def _onednn_bf16(w):
+    """vLLM's own dense bf16 GEMM on CPU for the weight ``w`` [n, k]: the oneDNN handle with the
+    weight prepacked that vLLM's unquantized linear method creates
+    (``dispatch_cpu_unquantized_gemm``), as a function of x; None where this build lacks it."""
+    from vllm import _custom_ops as ops
+
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+    handler = ops.create_onednn_mm(w.t(), 32)
+    return lambda x: ops.onednn_mm(handler, x, None)
+
+
 def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_layers, dequantize_path
                 ) -> dict[str, float]:
     """Median ms of one call per path (see :func:`kernel_attribution`) at ``rows`` rows."""
@@ -478,7 +491,11 @@ def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_layers, dequ
         arms["dequantize_only"] = lambda: dequantize_path(xk[:1], packed, storage, g,
                                                           "bfloat16")
     for arm, made in vllm_layers.items():
-        if made is not None:
+        if made is None:
+            continue
+        if arm == "onednn_bf16":
+            arms[arm] = functools.partial(made, xk)
+        else:
             arms[arm] = functools.partial(made[0].apply_weights, made[1], xk)
     return {arm: round(_median_ms(fn, reps), 4) for arm, fn in arms.items()}
 
@@ -508,6 +525,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
     ``wna16``     vLLM's ``cpu_gemm_wna16`` (stock GPTQ without AMX), where this build has it
     ``w4a8``      vLLM's ``int4_scaled_mm_cpu`` (stock GPTQ with AMX: int8 activations)
     ``bf16`` / ``f32``  the dense GEMM (``F.linear``) on weights of that dtype
+    ``onednn_bf16``  vLLM's own dense bf16 GEMM on CPU (oneDNN, the weight prepacked once), the
+                  GEMM its bf16 arm serves with
 
     and, for the layer linears of one step (the head left out), the kernel against the op's
     dequantize path at each M of ``SWEEP_ROWS``: the measured threshold of the kernel table."""
@@ -529,7 +548,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
         unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w,
                                    {"wna16": _wna16_layer(n, k, g),
-                                    "w4a8": _wna16_layer(n, k, g, w4a8=True)})
+                                    "w4a8": _wna16_layer(n, k, g, w4a8=True),
+                                    "onednn_bf16": _onednn_bf16(w)})
     configured = rt.PREFILL_GEMM
 
     configured_fused = rt.FUSED_DEQUANTIZE
@@ -561,8 +581,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
     def step(key: str) -> float:
         return round(sum((m.get(key) or 0.0) * m["calls_per_step"] for m in per_module), 3)
 
-    arms = ("int4", "kernel", "bf16", "f32", "wna16", "w4a8", "int4_f32", "int4_bf16",
-            "int4_bf16_eager", "dequantize_only")
+    arms = ("int4", "kernel", "bf16", "onednn_bf16", "f32", "wna16", "w4a8", "int4_f32",
+            "int4_bf16", "int4_bf16_eager", "dequantize_only")
     steps = {f"{arm}_m{rows}": step(f"{arm}_ms_m{rows}") for arm in arms for rows in ROWS
              if any(f"{arm}_ms_m{rows}" in m for m in per_module)}
     sweep = {rows: {path: round(sum(m["sweep"][rows][path] * m["calls_per_step"]
