@@ -454,6 +454,12 @@ def _wna16_layer(n: int, k: int, g: int, w4a8: bool = False):
 SWEEP_ROWS = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # where the kernel stops paying
 
 
+def _apply(made):
+    """x -> the prepared vLLM layer's output, for ``(kernel, layer)`` from :func:`_wna16_layer`;
+    None for None."""
+    return None if made is None else functools.partial(made[0].apply_weights, made[1])
+
+
 def _onednn_bf16(w):
     """vLLM's own dense bf16 GEMM on CPU for the weight ``w`` [n, k]: the oneDNN handle with the
     weight prepacked that vLLM's unquantized linear method creates
@@ -466,7 +472,7 @@ def _onednn_bf16(w):
     return lambda x: ops.onednn_mm(handler, x, None)
 
 
-def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_layers, dequantize_path
+def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_paths, dequantize_path
                 ) -> dict[str, float]:
     """Median ms of one call per path (see :func:`kernel_attribution`) at ``rows`` rows."""
     import torch
@@ -490,13 +496,9 @@ def _path_times(rows: int, k: int, g: int, packed, storage, w, vllm_layers, dequ
         # matrix-vector one, so this is (nearly) the dequantization's share alone
         arms["dequantize_only"] = lambda: dequantize_path(xk[:1], packed, storage, g,
                                                           "bfloat16")
-    for arm, made in vllm_layers.items():
-        if made is None:
-            continue
-        if arm == "onednn_bf16":
-            arms[arm] = functools.partial(made, xk)
-        else:
-            arms[arm] = functools.partial(made[0].apply_weights, made[1], xk)
+    for arm, fn in vllm_paths.items():
+        if fn is not None:
+            arms[arm] = functools.partial(fn, xk)
     return {arm: round(_median_ms(fn, reps), 4) for arm, fn in arms.items()}
 
 
@@ -547,8 +549,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
         zview.fill_(0.001)
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
         unique[(name, n, k, g)] = (tp.torch_pack(codes), storage, w,
-                                   {"wna16": _wna16_layer(n, k, g),
-                                    "w4a8": _wna16_layer(n, k, g, w4a8=True),
+                                   {"wna16": _apply(_wna16_layer(n, k, g)),
+                                    "w4a8": _apply(_wna16_layer(n, k, g, w4a8=True)),
                                     "onednn_bf16": _onednn_bf16(w)})
     configured = rt.PREFILL_GEMM
 
@@ -562,7 +564,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
             rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = configured, configured_fused
 
     per_module = []
-    for (name, n, k, g), (packed, storage, w, vllm_layers) in unique.items():
+    for (name, n, k, g), (packed, storage, w, vllm_paths) in unique.items():
         count = sum(1 for lin in linears if lin == (name, n, k, g))
         row = {"module": name, "n": n, "k": k, "group": g, "calls_per_step": count,
                "int4_bytes": n * k // 2 + 4 * n * (k // g), "bf16_bytes": 2 * n * k}
@@ -570,7 +572,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
             if rows > 1 and name == "lm_head":  # the prefill computes logits for one position
                 continue
             row.update({f"{arm}_ms_m{rows}": ms for arm, ms in
-                        _path_times(rows, k, g, packed, storage, w, vllm_layers,
+                        _path_times(rows, k, g, packed, storage, w, vllm_paths,
                                     dequantize_path).items()})
         if name != "lm_head":
             row["sweep"] = {rows: _sweep_times(rows, k, g, packed, storage, dequantize_path,
