@@ -327,6 +327,7 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
         _print_fidelity(fid)
     for directory in _safetensors_outputs(report.outputs):
         update_report(directory, phases=meter.as_dict(), command_line=_command_line(),
+                      phase_seconds=report.phase_seconds,  # with the final write's time
                       **({"fidelity": fidelity} if fidelity else {}))
     doc = asdict(report)
     doc.update(fidelity=fidelity, phases=meter.as_dict(), command_line=_command_line())

@@ -85,6 +85,19 @@ def anon_rss_bytes(pid: int | None = None, tree: bool = True) -> int:
     return total * 1024
 
 
+def available_bytes() -> int:
+    """The memory the kernel can give new allocations without swapping (``MemAvailable``),
+    or, where /proc/meminfo cannot be read, the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def allocator_releasers() -> dict[str, Callable[[], None]]:
     """The free-memory release calls reachable in this process, by allocator name."""
     return dict(_allocator_releasers())

@@ -66,7 +66,7 @@ E2E_FIXTURES = frozenset({
     "demo_formats", "gptq_artifact", "rtn_search_artifact", "asym_artifact", "sym_artifact",
     "uniform_artifact", "peer", "engines", "served_artifact", "vllm_run", "isa_results", "xnnpack_8da8w",
     "qnn_w8a16", "qnn_16a4w", "xnnpack_8da4w", "tiny_gptq", "demo_gptq_g32", "quantize_dir",
-    "quantize_result", "fidelity_result", "stream_and_hidden",
+    "quantize_result", "fidelity_result", "stream_and_hidden", "random_1b", "gptq_1b",
 })
 E2E_MARKS = ("e2e", "vllm", "slow")
 
@@ -83,6 +83,7 @@ WORKER_GROUPS = {
 # CI machine in a clean-clone run of both tiers, fixtures included. Handing them out in this
 # order left the two workers within 3 % of each other. The rest keep their file order.
 LONGEST_FIRST = (
+    "test_scale.py",  # writes and quantizes a 1.2B-parameter model, then serves it
     "test_demo_model_8da4w_holds_the_gptq_codes",  # ~330 s with its group-32 GPTQ run
     "test_runtime_patches.py",  # seven engine starts, ~710 s
     "test_runtime_suite_smoke",  # three engine starts through the harness, ~155 s

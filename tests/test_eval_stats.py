@@ -201,3 +201,41 @@ def test_eval_refuses_a_module_that_a_dynamic_rule_makes_8_bit(tiny_llama, tiny_
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.exit_code != 0 and lines[-1].startswith("error: lm_head: 8-bit weights"), \
         result.stderr
+
+
+def test_eval_memory_plan_follows_the_available_memory(tiny_llama, tiny_rtn):
+    """Both models side by side where they fit; else the reference first; else bf16, said;
+    else one line. The thresholds are the models' own sizes (the 1B-8B models' evaluations
+    take the later branches on a 24 GiB machine)."""
+    import torch
+
+    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.eval.fidelity import MODEL_HEADROOM, model_bytes, plan_memory
+
+    ref, quant = model_bytes(tiny_llama, torch.float32), model_bytes(tiny_rtn, torch.float32)
+    assert ref == quant > 0  # the quantized model dequantizes to the reference's shapes
+    both = int((ref + quant) * MODEL_HEADROOM)
+    plan = plan_memory(tiny_llama, tiny_rtn, torch.float32, available=both)
+    assert plan == type(plan)(torch.float32, False, None)
+    plan = plan_memory(tiny_llama, tiny_rtn, torch.float32, available=both - 1)
+    assert plan.dtype == torch.float32 and plan.reference_first and plan.note is None
+    plan = plan_memory(tiny_llama, tiny_rtn, torch.float32, available=int(ref * MODEL_HEADROOM) - 1)
+    assert plan.dtype == torch.bfloat16 and plan.reference_first and "bf16" in plan.note
+    with pytest.raises(CpuQuantError, match="GiB"):
+        plan_memory(tiny_llama, tiny_rtn, torch.float32, available=int(ref / 2 * MODEL_HEADROOM) - 1)
+
+
+def test_reference_first_gives_the_side_by_side_scores(tiny_llama, tiny_rtn, monkeypatch):
+    """The reference run first and freed (what a model too large for both in memory gets)
+    scores as the two models side by side do: the same full-vocabulary KL, to rounding."""
+    import cpu_quant.eval.fidelity as fidelity
+    from cpu_quant.eval.fidelity import evaluate_artifact
+
+    settings = EvalSettings(windows=2, seqlen=64, prompts=2, prompt_len=8, new_tokens=4)
+    side = evaluate_artifact(tiny_rtn, tiny_llama, settings)["weights"]
+    one_at_a_time = fidelity.EvalPlan(fidelity.torch.float32, True, None)
+    monkeypatch.setattr(fidelity, "plan_memory", lambda *a, **k: one_at_a_time)
+    first = evaluate_artifact(tiny_rtn, tiny_llama, settings)["weights"]
+    assert side.kl_mean > 0
+    assert abs(side.kl_mean - first.kl_mean) < 1e-4 and first.top1_agreement == side.top1_agreement
+    assert first.greedy_prefix_fraction == side.greedy_prefix_fraction

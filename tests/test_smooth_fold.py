@@ -249,3 +249,25 @@ def test_a_broken_factors_file_is_one_line(content, tmp_path):
         save_factors(path, {"model.norm.weight": v})
     with pytest.raises(CpuQuantError, match="smoothing.factors"):
         load_factors(tmp_path)
+
+
+def test_row_blocks_bound_the_candidates_memory_and_keep_their_errors(monkeypatch):
+    """A weight larger than one block of rows (the head of an 8B model is 525M weights) is
+    evaluated a block at a time: the same factors, the same errors to float rounding, as in one
+    piece, and the column maxima exactly."""
+    from cpu_quant.quantize import smoothing
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(256, 64, generator=gen)
+    x[:, 5] *= 40
+    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    whole = smooth_fold.candidate_errors(fold, x.abs().amax(0), x, [w], [32])
+    monkeypatch.setattr(smoothing, "BLOCK_ELEMENTS", 64 * 7)  # 7 rows a block: 43 blocks
+    assert len(smoothing.row_blocks(w)) == 43
+    assert torch.equal(smoothing.column_absmax(w), w.abs().amax(0))
+    blocked = smooth_fold.candidate_errors(fold, x.abs().amax(0), x, [w], [32])
+    assert whole.keys() == blocked.keys()
+    for alpha, (s, err) in whole.items():
+        assert torch.equal(blocked[alpha][0], s)
+        assert blocked[alpha][1] == pytest.approx(err, rel=1e-5)

@@ -45,6 +45,9 @@ from .reference_logits import (
     save_reference,
     text_fingerprint,
 )
+from .reference_logits import (
+    save_reference as save_reference_file,  # evaluate_artifact's parameter takes the name
+)
 from .settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings  # noqa: F401  (re-exported)
 
 
@@ -315,30 +318,102 @@ def save_reference_logits(reference_path: str | Path, path: str | Path,
                           settings: EvalSettings | None = None, progress: bool = False,
                           dtype: torch.dtype = torch.float32) -> int:
     """Run only the reference and save its side of the evaluation (``reference_logits``)."""
-    from .dequantized import load_model
-
     settings = settings or EvalSettings()
     settings.validate()
     _check_checkpoint("--reference", reference_path, settings, float_weights=True)
     tok = _load_tokenizer(reference_path)
     texts = _heldout_texts(settings)
     scored, prompts = _eval_windows(tok, settings, texts)
-    _loading(progress, f"the reference {reference_path}")
-    ref = FreshReference(load_model(reference_path, dtype), keep=True)
+    ref = _run_reference(reference_path, scored, prompts, texts, settings, dtype, progress)
+    return save_reference(path, ref)
+
+
+def _run_reference(reference_path, scored, prompts, texts, settings: EvalSettings,
+                   dtype: torch.dtype, progress: bool) -> SavedReference:
+    """The reference's side of the evaluation, its model freed once it has run."""
     from tqdm import tqdm
 
+    from .dequantized import load_model
+
+    _loading(progress, f"the reference {reference_path}")
+    ref = FreshReference(load_model(reference_path, dtype), keep=True)
     with torch.no_grad():
         for i, ids in enumerate(tqdm(scored, desc="reference windows", unit="win",
                                      disable=not progress)):
             ref.window(i, ids)
         ref.greedy(prompts, settings.new_tokens, progress)
-    return _write_saved(path, ref, scored, prompts, texts, settings, reference_path)
+    return _saved(ref, scored, prompts, texts, settings, reference_path)
+
+
+def _saved(ref: FreshReference, scored, prompts, texts, settings, reference_path) -> SavedReference:
+    return SavedReference(scored, prompts, ref.greedy_tokens, ref.kept,
+                          text_fingerprint(texts), asdict(settings), str(reference_path))
 
 
 def _write_saved(path, ref: FreshReference, scored, prompts, texts, settings, reference_path) -> int:
-    saved = SavedReference(scored, prompts, ref.greedy_tokens, ref.kept,
-                           text_fingerprint(texts), asdict(settings), str(reference_path))
-    return save_reference(path, saved)
+    return save_reference(path, _saved(ref, scored, prompts, texts, settings, reference_path))
+
+
+# what a model in memory needs beside its weights (activations, logits over the vocabulary)
+MODEL_HEADROOM = 1.25
+
+
+def model_bytes(path: str | Path, dtype: torch.dtype) -> int:
+    """The bytes of ``path``'s model loaded in ``dtype`` (a quantized one dequantized, its
+    head untied), from the tensor shapes alone."""
+    import math
+
+    from ..io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    try:
+        cfg = ckpt.config.get("text_config") or ckpt.config
+        layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+        inter, vocab = int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or hidden // heads)
+    except (KeyError, TypeError, ValueError):  # no Llama-like shape: count the stored tensors
+        n = sum(math.prod(ckpt.shape(t)) for t in ckpt.names)
+        ckpt.close()
+        return n * dtype.itemsize
+    ckpt.close()
+    per_layer = hidden * hd * (2 * heads + 2 * kv) + 3 * hidden * inter
+    return (layers * per_layer + 2 * vocab * hidden) * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """How an evaluation fits this machine's memory: the dtype, and whether the reference runs
+    first and is freed before the quantized model loads (instead of both side by side)."""
+
+    dtype: torch.dtype
+    reference_first: bool
+    note: str | None
+
+
+def plan_memory(reference_path, quantized_path, dtype: torch.dtype,
+                available: int | None = None) -> EvalPlan:
+    """Both models side by side in ``dtype`` where they fit in the available memory (the
+    default, and every result published for the small models); else the reference first, then
+    the quantized model; else both in bf16, one after the other, which the note says."""
+    from ..memory import available_bytes
+
+    available = available_bytes() if available is None else available
+    ref = model_bytes(reference_path, dtype) if reference_path is not None else 0
+    quant = model_bytes(quantized_path, dtype)
+    if (ref + quant) * MODEL_HEADROOM <= available:
+        return EvalPlan(dtype, False, None)
+    if max(ref, quant) * MODEL_HEADROOM <= available:
+        return EvalPlan(dtype, True, None)
+    half = torch.bfloat16
+    need = max(model_bytes(p, half) for p in (reference_path, quantized_path) if p is not None)
+    if dtype != half and need * MODEL_HEADROOM <= available:
+        return EvalPlan(half, True, f"computed in bf16: in {str(dtype)[6:]} one model needs "
+                        f"{max(ref, quant) / 2**30:.1f} GiB, {available / 2**30:.1f} GiB are "
+                        "available")
+    raise CpuQuantError(f"the evaluation needs {need * MODEL_HEADROOM / 2**30:.1f} GiB for one "
+                        f"model in bf16, and {available / 2**30:.1f} GiB are available")
 
 
 def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | None,
@@ -363,10 +438,22 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | N
     saved = load_reference(reference_logits) if reference_logits is not None else None
     tok = _load_tokenizer(reference_path if reference_logits is None else quantized_path)
     scored, prompts = _eval_windows(tok, settings, texts)
-    if saved is not None:
+    plan = plan_memory(reference_path if saved is None else None, quantized_path, dtype)
+    if plan.note and progress:
+        import sys
+
+        print(f"note: {plan.note}", file=sys.stderr)
+    dtype = plan.dtype
+    if saved is None and plan.reference_first:
+        saved = _run_reference(reference_path, scored, prompts, texts, settings, dtype, progress)
+        if save_reference is not None:
+            save_reference_file(save_reference, saved)
+            save_reference = None
+        reference: FreshReference | StoredReference = StoredReference(saved)
+    elif saved is not None:
         saved.check_matches(scored, prompts, text_fingerprint(texts), asdict(settings),
                             Path(reference_logits))
-        reference: FreshReference | StoredReference = StoredReference(saved)
+        reference = StoredReference(saved)
     else:
         _loading(progress, f"the reference {reference_path}")
         reference = FreshReference(load_model(reference_path, dtype),

@@ -47,6 +47,7 @@ from ..memory import (
 )
 from . import smooth_fold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
+from .clock import PhaseClock
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
@@ -133,19 +134,12 @@ class LayerQuantizer:
                              positive_scales=settings.positive_scales)
         self.sinks, self.state, self.new_store = sinks, state, new_store
         self.team = team or Team()
+        self.clock = PhaseClock(state.phase_seconds)  # clock.py: exclusive time per phase
         # the Hessians' product: of the activations as they are, or as the W4A8 kernel sees them
-        self.product = w4a8_gram if settings.w4a8_hessians else gram
+        self.product = self.clock.timed("hessians", w4a8_gram if settings.w4a8_hessians else gram)
         self.structures: dict = {}  # sequential.signature -> Structure or None
-
-    def _timed(self, phase: str, fn: Callable) -> Callable:
-        def run(*args):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                seconds = self.state.phase_seconds
-                seconds[phase] = round(seconds.get(phase, 0.0) + time.perf_counter() - t0, 3)
-        return run
+        self.add_module = self.clock.timed("write", sinks.add_module)
+        self.add_tensor = self.clock.timed("write", sinks.add_tensor)
 
     def _quantize(self, linears: dict[str, nn.Linear], plans: dict[str, LinearPlan],
                   names: list[str], hessians: dict[str, torch.Tensor | None]) -> None:
@@ -156,7 +150,7 @@ class LayerQuantizer:
         results = quantize_linears(jobs, self.settings, self.grid, self.team.rows)
         for name, (gq, trep) in zip(names, results, strict=True):
             self.state.tensors.append(asdict(trep))
-            self.state.account(gq, self.sinks.add_module(name, gq))
+            self.state.account(gq, self.add_module(name, gq))
             linears[name].weight.data = gq.dequantize().to(linears[name].weight.dtype)
 
     def layer(self, i: int, plans: dict[str, LinearPlan], hidden) -> Iterable[torch.Tensor] | None:
@@ -167,14 +161,15 @@ class LayerQuantizer:
         stream = self.stream
         linears = stream.linears(i)
         prefix = f"{stream.layers_prefix}.{i}."
-        quantize = self._timed("quantize", functools.partial(self._quantize, linears, plans))
+        quantize = self.clock.timed("quantize", functools.partial(self._quantize, linears, plans))
+        call = self.clock.timed("forward", stream.call_layer)
         layer = stream.layers[i]
         structure = None
         if hidden:
             key = signature(layer)
             if key not in self.structures:  # rank 0's probe (of the first batch) decides
                 first = next(iter(hidden))
-                found = probe(layer, lambda: stream.call_layer(i, 0, first)) if self.team.writer else None
+                found = probe(layer, lambda: call(i, 0, first)) if self.team.writer else None
                 self.structures[key] = self.team.from_writer(found)
             structure = self.structures[key]
         if structure is not None:
@@ -184,19 +179,21 @@ class LayerQuantizer:
                 quantize([prefix + n for n in rel], {prefix + n: hessian for n in rel})
 
             outputs = run_true_sequential(layer, structure, hidden,
-                                          lambda b, h: stream.call_layer(i, b, h),
+                                          lambda b, h: call(i, b, h),
                                           quantize_group, self.new_store,
-                                          self._timed("hessians", self.product), self.team.new_sum)
+                                          self.product, self.team.new_sum)
         else:
             acc = HessianAccumulator({n: m for n, m in linears.items() if plans[n].quantize},
                                      self.team.new_sum, self.product)
             try:
-                stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
+                with self.clock.phase("forward"):
+                    stream.observe_layer(i, hidden, acc.begin_batch, acc.end_batch)
             finally:
                 acc.close()
             hessians = {n: acc.hessian(n) for n in acc.h}
             quantize(list(linears), {n: h for n, h in hessians.items() if h is not None})
-            outputs = stream.forward_layer(i, hidden) if hidden else None
+            outputs = (self.clock.timed_iter("forward", stream.forward_layer(i, hidden))
+                       if hidden else None)
         # the report lists a layer's tensors in module order, whatever order they were quantized in
         order = {n: k for k, n in enumerate(linears)}
         done = len([n for n in linears if plans[n].quantize])
@@ -205,7 +202,7 @@ class LayerQuantizer:
         quantized_params = {f"{n}.weight" for n, p in plans.items() if p.quantize}
         for pname in stream.layer_param_names(i):
             if pname not in quantized_params:
-                self.sinks.add_tensor(pname, self.ckpt.tensor(pname).to(torch.bfloat16))
+                self.add_tensor(pname, self.ckpt.tensor(pname).to(torch.bfloat16))
         return outputs
 
     def outer(self, hidden: list[torch.Tensor], head_plan: LinearPlan) -> None:
@@ -216,7 +213,7 @@ class LayerQuantizer:
         for name in ckpt.names:
             if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
                 continue
-            self.sinks.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
+            self.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
         if isinstance(ckpt, smooth_fold.SmoothedCheckpoint) and head_plan.quantize:
             head_w = ckpt.head_tensor(stream.head_weight_name(), smooth_fold.HEAD, check_finite=True)
         else:
@@ -233,12 +230,13 @@ class LayerQuantizer:
                         acc_h.add(self.product(x), x.shape[0])
                 hess = acc_h.hessian()
             kill_point("head")
-            [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings, self.grid,
-                                            self.team.rows)
+            with self.clock.phase("quantize"):
+                [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings,
+                                                self.grid, self.team.rows)
             self.state.tensors.append(asdict(trep))
-            self.state.account(gq, self.sinks.add_module(HEAD_NAME, gq))
+            self.state.account(gq, self.add_module(HEAD_NAME, gq))
         elif "lm_head.weight" in ckpt.names:
-            self.sinks.add_tensor("lm_head.weight", head_w.to(torch.bfloat16))
+            self.add_tensor("lm_head.weight", head_w.to(torch.bfloat16))
 
 
 def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits
@@ -314,7 +312,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             raise CpuQuantError(why)
         stream = LayerStream(ckpt)
         layer_plans, head_plan = plan_model(stream, settings, limits)
+        t_calib = time.perf_counter()
         batches = [] if settings.data_free else calibration_batches(src, settings, texts)
+        calib_seconds = time.perf_counter() - t_calib
         smoothing = None
         if settings.smooth:
             t_smooth = time.perf_counter()
@@ -380,6 +380,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             state = RunState(fingerprint)
         where["saved"] = state.completed_layers
         offload = settings.offload_activations
+        t_capture = time.perf_counter()
         if not batches:
             hidden = []
         elif state.completed_layers:  # resumed: record the layers' call arguments only
@@ -390,6 +391,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 out.path(ACTIVATIONS_DIR), 0, offset=shard.start) if offload else [])
         if isinstance(hidden, list):  # in memory: one slab, each layer's outputs written over it
             hidden = one_slab(hidden)
+        if not state.completed_layers:  # a resumed run's state holds the first run's phases
+            state.phase_seconds["calibration"] = round(
+                calib_seconds + time.perf_counter() - t_capture, 3)
+            if smoothing is not None:
+                state.phase_seconds["smoothing"] = round(smoothing["seconds"], 3)
         kill_point("calibration")
         sinks = (SinkSet(formats, out.staging, stream.n_layers, state.sinks) if team.writer
                  else NoSinks())
@@ -413,7 +419,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 hidden = hidden.rewrite(outputs) if offload else in_place(outputs, hidden)
             shutil.rmtree(out.path(scratch), ignore_errors=True)
             stream.unload_layer(i)
-            sinks.end_layer(i)
+            with quantizer.clock.phase("write"):
+                sinks.end_layer(i)
             release_free_heap()
             state.layer_seconds.append(round(time.perf_counter() - t0, 3))
             state.completed_layers = i + 1
@@ -441,7 +448,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         where["phase"] = "the output head"
         quantizer.outer(hidden, head_plan)
         team.end_layer("head")
-        sinks.end_layer(stream.n_layers)
+        with quantizer.clock.phase("write"):
+            sinks.end_layer(stream.n_layers)
         report.head_quantized = head_plan.quantize
         report.head_seconds = round(time.perf_counter() - t0, 3)
 
@@ -461,10 +469,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
         resume_point.wait()
         report.distributed = team.summary(time.perf_counter() - t_start)
         if team.writer:
+            t_final = time.perf_counter()
             final = _write_artifact(out, stop, sinks, ArtifactInfo(
                 src, ckpt.config, settings.group_size, head_plan.quantize, dynamic,
                 settings.symmetric, _quantization_extra(settings, report.provenance["cpu_quant"]),
                 asdict(report)), ckpt.factors if settings.smooth else None)
+            # after the artifact's own report was written: the CLI adds it there afterwards
+            report.phase_seconds["final_write"] = round(time.perf_counter() - t_final, 3)
     ckpt.close()
     if team.writer:
         report.provenance["output"] = str(final)

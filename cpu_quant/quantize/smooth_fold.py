@@ -44,7 +44,7 @@ from ..errors import CpuQuantError
 from ..memory import release_free_heap
 from .distributed import Team
 from .grid import QZERO, grouped
-from .smoothing import smoothing_scales
+from .smoothing import row_blocks, smoothing_scales
 
 if TYPE_CHECKING:
     from .settings import QuantSettings
@@ -160,12 +160,24 @@ def all_folds(config: dict, layers_prefix: str, n_layers: int, names: set[str],
 def fold_tensor(name: str, t: torch.Tensor, folds: list[Fold], factors: dict[str, torch.Tensor]
                 ) -> torch.Tensor:
     """``t`` (the tensor ``name``) with every fold that touches it applied, in ``t``'s dtype;
-    the arithmetic in float64 for float64 input and in float32 otherwise."""
-    work = t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+    the arithmetic in float64 for float64 input and in float32 otherwise, a block of rows at a
+    time (every operation is per element: the same values as in one piece)."""
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if t.dim() != 2:
+        return _fold_rows(name, t, folds, factors, dtype, slice(None))
+    out = torch.empty_like(t)
+    for rows in row_blocks(t):
+        out[rows] = _fold_rows(name, t[rows], folds, factors, dtype, rows)
+    return out
+
+
+def _fold_rows(name: str, t: torch.Tensor, folds: list[Fold], factors: dict[str, torch.Tensor],
+               dtype: torch.dtype, rows: slice) -> torch.Tensor:
+    work = t.to(dtype)
     for f in folds:
-        s = factors[f.key].to(work.dtype)
+        s = factors[f.key].to(dtype)
         if name == f.divide:
-            work = work / (s if work.dim() == 1 else s.unsqueeze(1))
+            work = work / (s if work.dim() == 1 else s[rows].unsqueeze(1))
         elif name == f.bias:
             work = work / s
         elif name in f.scale:
@@ -212,18 +224,27 @@ def _rtn4(w: torch.Tensor, group: int) -> torch.Tensor:
     return (torch.round(wg / scale).clamp_(-QZERO, QZERO - 1) * scale).reshape(w.shape)
 
 
+def float_outputs(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x Wᵀ`` in float32, ``W`` converted a block of rows at a time."""
+    return torch.cat([x @ w[rows].float().T for rows in row_blocks(w)], dim=1)
+
+
 def w4a8_error(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tensor | None,
                groups: list[int], outputs: list[torch.Tensor] | None = None) -> float:
     """Relative squared error of ``x Wᵀ`` (every W) when ``x / s`` is int8 per token and
     ``W · diag(s)`` is 4-bit round-to-nearest in groups of ``groups`` (one per W, as the run's
-    plan gives them); ``outputs``: the float ``x Wᵀ``, when already computed."""
+    plan gives them); ``outputs``: the float ``x Wᵀ``, when already computed. Each W goes a
+    block of rows at a time (in float32): a row's groups lie within the row, so the blocks'
+    errors add up to the whole's."""
     xs = x if s_cols is None else x / s_cols
     xq = _int8_per_token(xs)
     num = den = 0.0
-    ys = outputs or [x @ w.T for w in weights]
+    ys = outputs or [float_outputs(x, w) for w in weights]
     for w, group, y in zip(weights, groups, ys, strict=True):
-        ws = w if s_cols is None else w * s_cols
-        num += float((xq @ _rtn4(ws, group).T - y).pow(2).sum())
+        for rows in row_blocks(w):
+            wb = w[rows].float()
+            ws = wb if s_cols is None else wb * s_cols
+            num += float((xq @ _rtn4(ws, group).T - y[:, rows]).pow(2).sum())
         den += float(y.pow(2).sum())
     return num / max(den, 1e-30)
 
@@ -245,23 +266,22 @@ def candidate_errors(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor,
     """Each candidate strength's factor ``s`` (per divided channel) and W4A8 error on
     ``sample``; ``absmax`` and ``sample`` are of the reading linears' input (``K'`` channels).
     Each candidate is computed on its own, so any subset gives the same values."""
-    w32 = [w.float() for w in weights]
     x = sample.float()
-    if fold.rep > 1:  # a v row's factor: over its rep heads' channels
+    if fold.rep > 1:  # a v row's factor: over its rep heads' channels (o_proj: one layer's)
         kv = absmax.numel() // (fold.rep * fold.head_dim)
         a = absmax.float().view(kv, fold.rep, fold.head_dim).amax(1).reshape(-1)
-        cols = [w.view(w.shape[0], kv, fold.rep, fold.head_dim).permute(0, 2, 1, 3)
-                .reshape(w.shape[0] * fold.rep, kv * fold.head_dim) for w in w32]
+        cols = [w.float().view(w.shape[0], kv, fold.rep, fold.head_dim).permute(0, 2, 1, 3)
+                .reshape(w.shape[0] * fold.rep, kv * fold.head_dim) for w in weights]
     else:
-        a, cols = absmax.float(), w32
-    ys = [x @ w.T for w in w32]
+        a, cols = absmax.float(), weights
+    ys = [float_outputs(x, w) for w in weights]
     out: dict[float | None, tuple[torch.Tensor, float]] = {}
     for alpha in candidates:
         if alpha is None:
-            out[alpha] = torch.ones_like(a), w4a8_error(x, w32, None, groups, ys)
+            out[alpha] = torch.ones_like(a), w4a8_error(x, weights, None, groups, ys)
         else:
             s = smoothing_scales(a, cols, alpha)
-            out[alpha] = s, w4a8_error(x, w32, fold.expand(s), groups, ys)
+            out[alpha] = s, w4a8_error(x, weights, fold.expand(s), groups, ys)
     return out
 
 

@@ -19,12 +19,34 @@ import torch
 DEFAULT_ALPHA = 0.5
 
 
+# elements of one block of a weight's rows: temporaries stay bounded whatever the weight (an
+# 8B model's head is 525M weights, 2 GiB per float32 copy)
+BLOCK_ELEMENTS = 1 << 24
+
+
+def row_blocks(w: torch.Tensor) -> list[slice]:
+    """``w``'s rows in blocks of at most :data:`BLOCK_ELEMENTS` elements."""
+    rows = max(1, BLOCK_ELEMENTS // max(1, w.shape[1]))
+    return [slice(r, min(r + rows, w.shape[0])) for r in range(0, w.shape[0], rows)]
+
+
+def column_absmax(w: torch.Tensor) -> torch.Tensor:
+    """``max |W[:, j]|`` per column, a block of rows at a time (exact: a maximum does not
+    depend on the order)."""
+    w = w.detach()
+    out = None
+    for rows in row_blocks(w):
+        block = w[rows].abs().amax(0)
+        out = block if out is None else torch.maximum(out, block)
+    return out
+
+
 def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
                      alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
     """``s`` [K] for the linears ``weights`` ([N_i, K] each) that share the input whose
     per-channel ``max|x|`` is ``act_absmax`` [K]. Channels that never fire (or whose weights are
     all zero) keep ``s = 1``."""
-    w_max = torch.stack([w.detach().abs().amax(0) for w in weights]).amax(0).to(torch.float32)
+    w_max = torch.stack([column_absmax(w) for w in weights]).amax(0).to(torch.float32)
     a_max = act_absmax.to(torch.float32)
     s = a_max.pow(alpha) / w_max.pow(1 - alpha)
     ok = (a_max > 0) & (w_max > 0) & torch.isfinite(s) & (s > 0)

@@ -1,0 +1,300 @@
+"""Suite ``scale``: the sizes users quantize, on random models of public shapes (1B, 3B, 8B).
+
+The models come from ``cpu_quant.models.shapes`` (Llama-3.2-1B, Llama-3.2-3B and Llama-3-8B's
+exact configs, random bf16 weights, the demo tokenizer): **speed and memory only**, every
+fidelity number of such a model is meaningless. ``--arms`` names the models (default: all
+three; ``--arms Llama-3.2-1B`` runs one), each optionally with one part (``MODEL:quantize``,
+``MODEL:serve``; the serving part reads the quantize part's output in ``--workdir``). Two
+parts, each its own result file:
+
+``scale-quantize``  per model, two interleaved arms:
+    ``floor-<model>``  ``python -m benchmarks.compute_floor``: this machine's compute floor of
+                       the run's phases at the run's own shapes, and the run's memory bound
+                       (:func:`memory_bound`), with the RssAnon of a process that has imported
+                       the pipeline and allocated nothing (the runtime floor)
+    ``gptq-<model>``   ``cpu-quant gptq SRC DST --format gptq,cpu_int4,gguf`` with every default
+                       setting but the calibration size (:data:`CALIBRATION`), into one
+                       directory per model that the serving part reads; wall time, peak RssAnon
+                       of the process tree, and in the extras the report's exclusive time per
+                       phase (``cpu_quant/quantize/clock.py``)
+``scale-serve-<model>``  the tinygemm benchmark's vLLM arms on that artifact: ``bf16`` (the
+    random source), ``gptq`` (the GPTQ output, the kernel this CPU's row of the kernel table
+    names) and ``cpu_int4`` (the tinygemm output): decode (batch 1) and 512-token prefill
+    tokens/s and RssAnon after start-up, attributed per process and, in the worker, to weights
+    and KV cache.
+
+Smoke mode (CI): the quantize suite's tiny random Llama in place of every model, 4 x 64
+calibration tokens, one pass, no serving part; its numbers say nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..harness import PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from .quantize import CLI, SuiteOptions, check_cpu_quant_report, smoke_model
+
+MODELS = ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3-8B")
+# (samples, seqlen) per model: the default 128 x 512 where a session holds three passes of it;
+# time in the forward and the Hessians scales with the tokens, the sweeps' does not
+CALIBRATION = {"Llama-3.2-1B": (128, 512), "Llama-3.2-3B": (64, 512), "Llama-3-8B": (32, 512)}
+SMOKE_CALIBRATION = (4, 64)
+BATCH = 8
+FORMATS = "gptq,cpu_int4,gguf"
+TIMEOUT = 6 * 3600
+
+
+def memory_bound(config: dict, samples: int, seqlen: int, batch: int, runtime_floor: int) -> dict:
+    """The peak RssAnon a run should stay under: the runtime floor, plus the largest of (one
+    decoder layer's work, the head's work), plus the calibration activations. Every term in
+    bytes, from the config and the calibration alone:
+
+    - a layer: its weights in the compute dtype (bf16, 2 B), the float32 working copy of its
+      largest linear twice (the weight being swept and the dequantized result), and the float32
+      Hessians of its distinct inputs with one float32 ``K x K`` inverse for the widest;
+    - the head: its bf16 weight, its float32 working copy twice, its float32 Hessian and
+      inverse;
+    - activations: the calibration slab (``tokens x hidden``, bf16), the true-sequential stores
+      of a layer (``tokens x (hidden + intermediate)``, bf16), and one batch's float32
+      temporaries of the MLP (three ``rows x intermediate``).
+    """
+    cfg = config.get("text_config") or config
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    hd = int(cfg.get("head_dim") or hidden // heads)
+    vocab = int(cfg["vocab_size"])
+    linears = [(heads * hd, hidden), (kv * hd, hidden), (kv * hd, hidden), (hidden, heads * hd),
+               (inter, hidden), (inter, hidden), (hidden, inter)]
+    widths = [hidden, heads * hd, hidden, inter]  # distinct inputs: qkv, o, gate/up, down
+    largest = max(n * k for n, k in linears)
+    layer = (2 * sum(n * k for n, k in linears) + 2 * 4 * largest
+             + 4 * sum(k * k for k in widths) + 4 * max(widths) ** 2)
+    head = 2 * vocab * hidden + 2 * 4 * vocab * hidden + 2 * 4 * hidden * hidden
+    tokens = samples * seqlen
+    activations = 2 * tokens * hidden + 2 * tokens * (hidden + inter) + 3 * 4 * batch * seqlen * inter
+    terms = {"runtime_floor": runtime_floor, "layer": layer, "head": head,
+             "activations": activations}
+    return {"terms": terms, "bound_bytes": runtime_floor + max(layer, head) + activations,
+            "formula": "runtime_floor + max(layer, head) + activations"}
+
+
+def _floor_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Arm:
+    def command(ctx: PassContext) -> Command:
+        return Command([sys.executable, "-m", "benchmarks.compute_floor", str(src),
+                        "--samples", str(samples), "--seqlen", str(seqlen),
+                        "--batch-size", str(BATCH), "--out", str(ctx.workdir / "floor.json")],
+                       timeout=3600)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        return {}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        floor = json.loads((ctx.workdir / "floor.json").read_text())
+        config = json.loads((src / "config.json").read_text())
+        floor["memory"] = memory_bound(config, samples, seqlen, BATCH, floor["runtime_floor_bytes"])
+        return floor
+
+    return Arm(f"floor-{model}", {"model": model, "source": str(src), "samples": samples,
+                                  "seqlen": seqlen, "batch_size": BATCH}, command, collect,
+               extras=extras)
+
+
+def _gptq_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Arm:
+    settings = {"samples": samples, "seqlen": seqlen, "group": 128, "batch_size": BATCH,
+                "calib": "austen"}
+    argv = [*CLI, "gptq", str(src), str(dst), "--samples", str(samples), "--seqlen", str(seqlen),
+            "--batch-size", str(BATCH), "--format", FORMATS, "--no-eval", "--overwrite"]
+
+    def command(ctx: PassContext) -> Command:
+        return Command(argv, timeout=TIMEOUT)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        check_cpu_quant_report(dst / "gptq", settings, [])
+        return {}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        report = json.loads((dst / "gptq" / "quantization_report.json").read_text())
+        sizes = {p.name: p.stat().st_size for p in dst.rglob("*") if p.is_file()}
+        return {"phase_seconds": report["phase_seconds"], "total_seconds": report["total_seconds"],
+                "layer_seconds": report["layer_seconds"], "head_seconds": report["head_seconds"],
+                "calibration_tokens": report["calibration_tokens"],
+                "bits_per_weight": report["bits_per_weight"],
+                "artifact_bytes": sum(sizes.values()),
+                "smoothing": {k: v for k, v in (report.get("smoothing") or {}).items()
+                              if k != "folds"}}
+
+    return Arm(f"gptq-{model}", {"model": model, "source": str(src), "formats": FORMATS,
+                                 **settings}, command, collect, extras=extras)
+
+
+PARTS = ("quantize", "serve")
+
+
+def _selection(opts: SuiteOptions) -> dict[str, tuple[str, ...]]:
+    """model -> the parts to run, from ``--arms`` (``MODEL`` or ``MODEL:PART``)."""
+    chosen: dict[str, tuple[str, ...]] = {}
+    for entry in opts.arms or MODELS:
+        model, _, part = entry.partition(":")
+        if model not in MODELS or (part and part not in PARTS):
+            raise ValueError(f"unknown arm {entry!r}; --arms takes MODEL or MODEL:PART with MODEL "
+                             f"one of {', '.join(MODELS)} and PART one of {', '.join(PARTS)}")
+        chosen[model] = tuple(dict.fromkeys(chosen.get(model, ()) + ((part,) if part else PARTS)))
+    return chosen
+
+
+def build(opts: SuiteOptions) -> list[Suite]:
+    from cpu_quant.models.shapes import random_model_path
+
+    from .. import tinygemm_bench as tb
+
+    selection = _selection(opts)
+    models = list(selection)
+    arms: list[Arm] = []
+    sources: dict[str, Path] = {}
+    outputs: dict[str, Path] = {}
+    for model in models:
+        if opts.smoke:
+            from ..peers import gptqmodel_env
+
+            src, (samples, seqlen) = smoke_model(gptqmodel_env._cache_root()), SMOKE_CALIBRATION
+        else:
+            src, (samples, seqlen) = random_model_path(model), CALIBRATION[model]
+        dst = opts.workdir / "artifacts" / model
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        sources[model], outputs[model] = src, dst
+        if "quantize" in selection[model]:
+            arms += [_floor_arm(model, src, samples, seqlen, dst),
+                     _gptq_arm(model, src, samples, seqlen, dst)]
+    quantized = [m for m in models if "quantize" in selection[m]]
+    quantize = Suite(
+        name="scale-quantize",
+        description=("cpu-quant gptq at the sizes users quantize (random models of public "
+                     "shapes: speed and memory only), against this machine's compute floor"
+                     + (" (SMOKE)" if opts.smoke else "")),
+        metrics=[WALL_SECONDS, PEAK_RSS_ANON], arms=arms,
+        baseline_of={a.name: a.name for a in arms},
+        settings={"models": quantized,
+                  "calibration": {m: SMOKE_CALIBRATION if opts.smoke else CALIBRATION[m]
+                                  for m in quantized},
+                  "batch_size": BATCH, "formats": FORMATS},
+        inputs={f"source-{m}": sources[m] for m in quantized},
+        notes=["random weights (cpu_quant.models.shapes): fidelity is not measured",
+               "the floor arm and the quantization arm run in the same pass, one after the other"])
+    if opts.smoke:
+        return [quantize]
+    serve = []
+    for model in (m for m in models if "serve" in selection[m]):
+        if "quantize" not in selection[model] and not (outputs[model] / "gptq").is_dir():
+            raise ValueError(f"{model}:serve needs the quantize part's output in "
+                             f"{outputs[model]}: run {model}:quantize with this --workdir first")
+        artifacts = {"bf16": sources[model], "gptq": outputs[model] / "gptq",
+                     "cpu_int4": outputs[model] / "cpu_int4"}
+        suite = tb.build_suite(model, artifacts, 64, False, name=f"scale-serve-{model}")
+        suite.settings["quantized_arms"] = "the scale-quantize part's artifact (default settings)"
+        suite.notes.append("random weights (cpu_quant.models.shapes): speed and memory only")
+        serve.append(suite)
+    return ([quantize] if arms else []) + serve
+
+
+# -- the results page's table ----------------------------------------------------------------
+PHASES = ("forward", "hessians", "quantize", "smoothing")
+BEGIN, END = "<!-- scale table: begin -->", "<!-- scale table: end -->"
+
+
+def _newest(results: Path, pattern: str) -> Path | None:
+    """The newest result file of ``pattern`` (a complete one before a partial one of the same
+    time), or None."""
+    files = sorted(results.glob(pattern), key=lambda p: (p.name.split("-")[-1][:16],
+                                                         "partial" not in p.name))
+    return files[-1] if files else None
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values)
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def render(results: Path, docs: Path) -> str:
+    """The scale table from the newest committed result files of the suite's parts."""
+    import os
+
+    qpath = _newest(results, "scale-quantize-2*.json")
+    if qpath is None:
+        return "No result file yet."
+    q = json.loads(qpath.read_text())
+    link = lambda p: f"[{p.name}]({os.path.relpath(p, docs)})"  # noqa: E731
+    lines = ["| model (random weights) | calibration tokens | quantize: wall (passes) | "
+             "× compute floor: whole run, forward, Hessians, sweeps | peak RssAnon (bound) | "
+             "vLLM decode / 512-token prefill / RssAnon × bf16 | result files |",
+             "|---|---|---|---|---|---|---|"]
+    from cpu_quant.models.shapes import SHAPES
+
+    for model in q["settings"]["models"]:
+        runs = [r for r in q["records"] if r["arm"] == f"gptq-{model}" and r["ok"]]
+        floors = [r for r in q["records"] if r["arm"] == f"floor-{model}" and r["ok"]]
+        if not runs or not floors:
+            continue
+        wall = _median([r["wall_seconds"] for r in runs])
+        peak = _median([r["metrics"]["peak_rss_anon_bytes"] for r in runs])
+        phases = {p: _median([r["extras"]["phase_seconds"].get(p, 0.0) for r in runs])
+                  for p in PHASES}
+        floor = {p: _median([f["extras"]["phases"][p]["floor_seconds"] for f in floors])
+                 for p in PHASES}
+        bound = _median([f["extras"]["memory"]["bound_bytes"] for f in floors])
+        floor_total = sum(floor.values())
+        tokens = runs[0]["extras"]["calibration_tokens"]
+        ratios = ", ".join(f"×{phases[p] / floor[p]:.2f}" for p in ("forward", "hessians", "quantize"))
+        cells = [f"{model} ({SHAPES[model].parameters() / 1e9:.2f} B)", f"{tokens:,}",
+                 f"{_fmt_s(wall)} ({len(runs)})", f"×{wall / floor_total:.2f}; {ratios}",
+                 f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
+        spath = _newest(results, f"scale-serve-{model}-2*.json")
+        files = [link(qpath)]
+        if spath is not None:
+            srv = json.loads(spath.read_text())
+            comp = srv["comparisons"]
+            parts = []
+            for arm in ("gptq", "cpu_int4"):
+                c = comp.get(arm, {})
+                if c:
+                    parts.append(f"{arm}: ×{c['decode_tok_s']['ratio_median']:.2f} / "
+                                 f"×{c['prefill_tok_s']['ratio_median']:.2f} / "
+                                 f"×{c['rss_anon_bytes']['ratio_median']:.2f}")
+            cells.append("<br>".join(parts) or "—")
+            files.append(link(spath))
+        else:
+            cells.append("not measured")
+        cells.append("<br>".join(files))
+        lines.append("| " + " | ".join(cells) + " |")
+    cpu = q["provenance"]["cpu"]["model"]
+    lines.append("")
+    lines.append(f"Machine: {cpu}, {q['provenance']['threads']['cpu_count']} cores; "
+                 f"git {q['provenance']['git']['sha'][:7]}. Command: `python -m benchmarks run scale "
+                 f"--arms {','.join(q['settings']['models'])}`.")
+    return "\n".join(lines)
+
+
+def update_page(page: Path, results: Path) -> bool:
+    """Write the rendered table between the page's markers; True when the page changed."""
+    text = page.read_text()
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"{page} has no {BEGIN} ... {END} block")
+    new = f"{head}{BEGIN}\n{render(results, page.parent)}\n{END}{tail}"
+    if new != text:
+        page.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parents[2]
+    changed = update_page(root / "docs" / "results.md", root / "benchmarks" / "results")
+    print("docs/results.md " + ("updated" if changed else "unchanged"))

@@ -1,0 +1,41 @@
+"""The random models of public shapes (``cpu_quant.models.shapes``), at the unit level: every
+shape's config builds in transformers with the parameter count the module states, and the
+weights are a function of the seed and the tensor's name alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_quant.models.shapes import SHAPES, _shapes_of, random_tensor
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_config_builds_with_the_stated_parameter_count(name: str):
+    shape = SHAPES[name]
+    shapes = _shapes_of(shape.config())
+    counted = sum(torch.Size(s).numel() for s in shapes.values()
+                  if not s or len(s) > 1)  # linears and embeddings
+    assert counted == shape.parameters()
+    assert ("lm_head.weight" in shapes) is (not shape.tied)
+
+
+def test_public_sizes_are_the_published_ones():
+    billions = {n: s.parameters() / 1e9 for n, s in SHAPES.items()}
+    assert billions["Llama-3.2-1B"] == pytest.approx(1.24, abs=0.01)
+    assert billions["Llama-3.2-3B"] == pytest.approx(3.21, abs=0.01)
+    assert billions["Qwen2.5-3B"] == pytest.approx(3.09, abs=0.01)
+    assert billions["Qwen3-4B"] == pytest.approx(4.02, abs=0.01)
+    assert billions["Llama-3-8B"] == pytest.approx(8.03, abs=0.01)
+
+
+def test_weights_depend_on_seed_and_name_only():
+    a = random_tensor("model.layers.0.mlp.up_proj.weight", (300, 64), 0.02, seed=0)
+    b = random_tensor("model.layers.0.mlp.up_proj.weight", (300, 64), 0.02, seed=0)
+    c = random_tensor("model.layers.1.mlp.up_proj.weight", (300, 64), 0.02, seed=0)
+    d = random_tensor("model.layers.0.mlp.up_proj.weight", (300, 64), 0.02, seed=1)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(a, d)
+    assert float(a.float().std()) == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(random_tensor("model.norm.weight", (8,), 0.02, 0), torch.ones(8, dtype=torch.bfloat16))
+    assert torch.equal(random_tensor("x.q_proj.bias", (8,), 0.02, 0), torch.zeros(8, dtype=torch.bfloat16))
