@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import transformers  # noqa: F401  (what a run imports before it allocates)
 
+    from cpu_quant import cli  # noqa: F401  (the gptq command's own imports)
+    from cpu_quant.formats import cpu_int4, gguf, gptq  # noqa: F401
     from cpu_quant.memory import anon_rss_bytes
     from cpu_quant.quantize import pipeline  # noqa: F401
 

@@ -245,3 +245,26 @@ def test_fidelity_archs_suite_smoke(tmp_path_factory):
             == (row == "gptq+head")
     assert digest["gemma2:gptq+head"] == digest["gemma2:gptq+head-nosmooth"]
     assert any(n.startswith("gemma2: smoothing does not apply") for n in result["notes"])
+
+
+def test_scale_suite_smoke(tmp_path_factory):
+    """The scale suite's quantize part on the tiny model: the floor arm measures every phase's
+    floor and the memory bound, the quantization arm's report carries every phase's exclusive
+    time, and the rendered table reads the result."""
+    from benchmarks.suites.scale import PHASES, render
+
+    tmp = tmp_path_factory.mktemp("scale")
+    result = _run_smoke("scale", tmp, "--arms", "Llama-3.2-1B:quantize")
+    assert result["suite"] == "scale-quantize"
+    _check_common(result, {"floor-Llama-3.2-1B", "gptq-Llama-3.2-1B"})
+    floor, run = (next(r for r in result["records"] if r["arm"] == a)
+                  for a in ("floor-Llama-3.2-1B", "gptq-Llama-3.2-1B"))
+    for phase in PHASES:
+        assert floor["extras"]["phases"][phase]["floor_seconds"] > 0, phase
+        assert phase in run["extras"]["phase_seconds"], phase
+    memory = floor["extras"]["memory"]
+    assert memory["bound_bytes"] == sum(memory["terms"][t] for t in ("runtime_floor", "activations")) \
+        + max(memory["terms"]["layer"], memory["terms"]["head"])
+    assert set(run["extras"]["phase_seconds"]) >= {"calibration", "write", "final_write"}
+    table = render(tmp / "results", tmp, smoke=True)
+    assert "Llama-3.2-1B" in table and "×" in table

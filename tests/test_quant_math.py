@@ -466,3 +466,18 @@ def test_the_down_projection_takes_groups_of_64_under_calibrated_symmetric_gptq_
     assert plan_linear(down, 1504, 576, 64, False, limits).group_size == 32
     with pytest.raises(CpuQuantError, match="--down-group 64 does not divide"):
         plan_linear(down, 1504, 576, 64, True, limits, flag="--down-group")
+
+
+def test_gram_is_the_same_bit_for_bit_whatever_its_blocks(monkeypatch):
+    """A wide input (K = 2304: 9 blocks of 256 before the cap, 4 after) gives the same sums to
+    the last bit in wide blocks as in narrow ones: each entry is one product over the same rows,
+    only the number of GEMM calls changes."""
+    from cpu_quant.quantize import hessians
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3000, 2304, generator=gen) * 2).to(torch.bfloat16)
+    capped = hessians.gram(x)
+    monkeypatch.setattr(hessians, "GRAM_MAX_BLOCKS", 10**6)
+    narrow = hessians.gram(x)
+    assert torch.equal(capped, narrow)
+    assert torch.equal(capped, capped.t())

@@ -222,11 +222,13 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
-def render(results: Path, docs: Path) -> str:
-    """The scale table from the newest committed result files of the suite's parts."""
+def render(results: Path, docs: Path, smoke: bool = False) -> str:
+    """The scale table from the newest committed result files of the suite's parts (of its
+    smoke runs with ``smoke``)."""
     import os
 
-    qpath = _newest(results, "scale-quantize-2*.json")
+    kind = "smoke-" if smoke else ""
+    qpath = _newest(results, f"scale-quantize-{kind}2*.json")
     if qpath is None:
         return "No result file yet."
     q = json.loads(qpath.read_text())
@@ -237,7 +239,8 @@ def render(results: Path, docs: Path) -> str:
              "|---|---|---|---|---|---|---|"]
     from cpu_quant.models.shapes import SHAPES
 
-    for model in q["settings"]["models"]:
+    settings = q["provenance"]["settings"]
+    for model in settings["models"]:
         runs = [r for r in q["records"] if r["arm"] == f"gptq-{model}" and r["ok"]]
         floors = [r for r in q["records"] if r["arm"] == f"floor-{model}" and r["ok"]]
         if not runs or not floors:
@@ -255,7 +258,7 @@ def render(results: Path, docs: Path) -> str:
         cells = [f"{model} ({SHAPES[model].parameters() / 1e9:.2f} B)", f"{tokens:,}",
                  f"{_fmt_s(wall)} ({len(runs)})", f"×{wall / floor_total:.2f}; {ratios}",
                  f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
-        spath = _newest(results, f"scale-serve-{model}-2*.json")
+        spath = _newest(results, f"scale-serve-{model}-{kind}2*.json")
         files = [link(qpath)]
         if spath is not None:
             srv = json.loads(spath.read_text())
@@ -277,7 +280,7 @@ def render(results: Path, docs: Path) -> str:
     lines.append("")
     lines.append(f"Machine: {cpu}, {q['provenance']['threads']['cpu_count']} cores; "
                  f"git {q['provenance']['git']['sha'][:7]}. Command: `python -m benchmarks run scale "
-                 f"--arms {','.join(q['settings']['models'])}`.")
+                 f"--arms {','.join(settings['models'])}`.")
     return "\n".join(lines)
 
 
