@@ -81,7 +81,7 @@ ARTIFACT_MARKERS = ("quantization_report.json", "export_report.json")
 def _has_quantization_config(config: Path) -> bool:
     try:
         data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
         return False
     return isinstance(data, dict) and isinstance(data.get("quantization_config"), dict)
 

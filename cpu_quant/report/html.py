@@ -321,7 +321,7 @@ def write_report_html(directory: Path) -> Path:
     except FileNotFoundError:
         raise CpuQuantError(f"{directory} has no quantization_report.json (not a cpu-quant "
                             "artifact?)") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json recurses
         raise CpuQuantError(f"{src}: not valid JSON") from None
     except OSError as exc:
         raise CpuQuantError(f"cannot read {src}: {exc.strerror or exc}") from None

@@ -643,6 +643,7 @@ ARTIFACT_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "no-config": (_remove("config.json"), "has no config.json"),
     "config-not-json": (_write("config.json", "{not json"), "not valid JSON"),
     "config-a-list": (_write("config.json", "[1, 2]"), "expected a JSON object"),
+    "config-nested-json": (_nested("config.json"), "nested too deeply"),
     "quant-method-unknown": (_qcfg(lambda q: q.update(quant_method="awq")), "awq"),
     "qcfg-a-list": (_config(lambda c: c.update(quantization_config=[1])),
                     "quantization_config"),
@@ -665,6 +666,7 @@ ARTIFACT_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "weight-map-list": (_index({"weight_map": ["a", "b"]}), "weight_map must map"),
     "report-a-list": (_write("quantization_report.json", "[1, 2]"), "not a JSON object"),
     "report-not-json": (_write("quantization_report.json", "{nope"), "not valid JSON"),
+    "report-nested-json": (_nested("quantization_report.json"), "not valid JSON"),
     "report-wrong-types": (lambda d: edit_json(d / "quantization_report.json",
                                                lambda r: r.update(settings=[1], tensors=3,
                                                                   plan_notes=7)),
@@ -680,7 +682,7 @@ ARTIFACT_COMMANDS: dict[str, CommandLine] = {
     "report": lambda ws, q: ["report", q],
 }
 
-_REPORT_FAULTS = ("report-a-list", "report-not-json", "report-wrong-types")
+_REPORT_FAULTS = ("report-a-list", "report-not-json", "report-nested-json", "report-wrong-types")
 ARTIFACT_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     # `report` reads only quantization_report.json; the others do not need the report
     **{(f, "report"): None for f, _ in ARTIFACT_FAULTS.items()
@@ -695,6 +697,7 @@ ARTIFACT_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     # verify reports a broken artifact as findings (exit 1); a missing one is an error (2)
     **{(f, "verify"): finding(needle) for f, needle in (
         ("config-not-json", "not valid JSON"), ("config-a-list", "expected a JSON object"),
+        ("config-nested-json", "nested too deeply"),
         ("bits-a-string", "quantization_config.bits is '4'"),
         ("bits-a-list", "quantization_config.bits is [4]"), ("bits-8", "bits=8"),
         ("group-mismatch", "group 64"), ("group-a-string", "group_size is '32'"),
