@@ -201,20 +201,18 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def config_size_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | None:
-    """How the config's vocabulary, width or depth disagrees with the tensors (name -> shape)
+    """How the config's vocabulary or depth disagrees with the tensors (name -> shape)
     of a Llama-style checkpoint (``model.embed_tokens``, ``model.layers.N``), or None.
 
-    Arithmetic on the header only, so a config that states a billion layers or a trillion
-    tokens is refused before a model is built from it (building one hangs or allocates
-    terabytes); the full comparison, tensor by tensor, comes after the build. More layers on
+    Arithmetic on the header only, so a config that states a billion layers or a vocabulary
+    of a trillion tokens is refused before a model is built from it (building one hangs or
+    allocates terabytes); the full comparison, tensor by tensor, comes after the build. More layers on
     disk than the config states are left to it (some checkpoints carry extra prediction
     layers); a checkpoint named otherwise is not checked here."""
     embed = shapes.get(EMBEDDING)
-    if embed is not None and len(embed) == 2:
-        for key, rows in (("vocab_size", embed[0]), ("hidden_size", embed[1])):
-            value = config.get(key)
-            if isinstance(value, int) and value != rows:
-                return f"{key} is {value}, {EMBEDDING} has shape {list(embed)}"
+    value = config.get("vocab_size")
+    if embed and isinstance(value, int) and value != embed[0]:
+        return f"vocab_size is {value}, {EMBEDDING} has shape {list(embed)}"
     layers = {int(m.group(1)) for n in shapes if (m := DECODER_LAYER.match(n))}
     value = config.get("num_hidden_layers")
     if layers and isinstance(value, int) and value > len(layers):
@@ -483,8 +481,8 @@ def _read_weight_map(index: Path) -> dict[str, str]:
 
 
 def _check_no_duplicates(headers: dict[Path, dict], shards: set[Path]) -> None:
-    """Refuse a tensor stored in two of ``shards``: which copy a loader takes depends on the
-    order it reads the files in (transformers loads every shard, the later copy wins)."""
+    """Refuse a tensor stored in two of ``shards``: which copy a loader takes depends on how
+    it reads them (by the index, or every tensor of every shard, the last read winning)."""
     seen: dict[str, Path] = {}
     for f in sorted(shards):
         for name in headers[f]:

@@ -371,6 +371,18 @@ def _in_two_shards(d: Path) -> None:
     save_file(second, d / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
 
 
+def _in_two_indexed_shards(d: Path) -> None:
+    """As :func:`_in_two_shards`, with an index that maps every tensor to one of them."""
+    from safetensors import safe_open
+
+    _in_two_shards(d)
+    weight_map = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            weight_map.update(dict.fromkeys(fh.keys(), f.name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 def _fifo(name: str) -> Callable[[Path], None]:
     def fault(d: Path) -> None:
         (d / name).unlink(missing_ok=True)
@@ -532,6 +544,8 @@ MODEL_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "shard-a-directory": (_shard_a_directory, "not a regular file"),
     "tensor-in-two-shards": (_in_two_shards, "is in both model-00001-of-00002.safetensors "
                                              "and model-00002-of-00002.safetensors"),
+    # an index names one copy, but a loader that reads every tensor of every shard takes the other
+    "tensor-in-two-indexed-shards": (_in_two_indexed_shards, "is in both"),
     "tokenizer-config-fifo": (_fifo("tokenizer_config.json"), "not a regular file"),
     "tokenizer-class-unknown": (lambda d: edit_json(d / "tokenizer_config.json", lambda c: c.update(
         tokenizer_class="NopeTokenizerFast")), "NopeTokenizerFast"),
