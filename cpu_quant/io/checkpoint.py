@@ -56,7 +56,7 @@ def file_problem(path: Path) -> str | None:
         if exc.errno == errno.ELOOP:
             return "is a symlink loop"
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return "does not exist"
+            return "is a link to a missing file" if path.is_symlink() else "does not exist"
         return f"cannot be read ({exc.strerror or exc})"
     if stat.S_ISDIR(mode):
         return "is a directory, not a regular file"
@@ -398,9 +398,11 @@ class Checkpoint:
             self._handles[file] = handle
         t = handle.get_tensor(name)
         if check_finite and t.is_floating_point() and t.numel():
-            largest = float(t.abs().max())  # NaN if any is NaN: one pass checks both
-            if not math.isfinite(largest):
+            # one pass, no copy of the tensor; both are NaN if any element is
+            lo, hi = (float(v) for v in torch.aminmax(t))
+            if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise CpuQuantError(f"tensor {name} contains NaN or Inf values")
+            largest = max(-lo, hi)
             if largest > MAX_WEIGHT:
                 raise CpuQuantError(f"tensor {name} holds {largest:.3g}, beyond fp16's range "
                                     f"(|w| <= {MAX_WEIGHT:g}): a corrupted weight; fp16 runtimes "
