@@ -586,7 +586,6 @@ MODEL_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     ("inf-weight", "eval-reference"): None,
     ("inf-weight", "export-phone"): None,
     ("context-shorter-than-seqlen", "export-phone"): "--max-seq-len 64 is beyond",
-    ("missing", "export-phone"): "has no config.json",
     ("a-file", "export-phone"): "is a file",
 }
 
