@@ -36,6 +36,7 @@ from .settings import QuantSettings, TensorReport
 
 logger = logging.getLogger("cpu_quant.quantize")
 
+
 @contextmanager
 def torch_threads(n: int):
     """Run the block with ``n`` intra-op threads (see :func:`quantize_linears`)."""
