@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -269,6 +271,7 @@ def test_a_rank_deficient_hessian_falls_back_and_the_report_says_so(caplog):
     from cpu_quant.quantize.gptq import HessianNotPositiveDefinite, prepare_hessian
     from cpu_quant.quantize.plan import plan_linear
 
+    caplog.set_level(logging.WARNING, logger="cpu_quant.quantize")  # whatever an earlier -q set
     h = _few_token_hessian()
     k = h.shape[0]
     assert torch.linalg.eigvalsh(h.double())[0] < -0.3 * torch.diag(h).mean()
