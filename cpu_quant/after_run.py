@@ -13,7 +13,7 @@ def _report_of(directory: Path) -> dict | None:
     path = Path(directory) / "quantization_report.json"
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
         return None
 
 

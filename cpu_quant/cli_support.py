@@ -110,6 +110,9 @@ def _print_summary(report, dst: Path) -> None:
     raised = [t.name for t in report.tensors if t.damp_raised]
     if raised:
         rows.append(("damping raised", ", ".join(raised[:4]) + (" ..." if len(raised) > 4 else "")))
+    fell = [f"{t.name} ({t.gptq_fallback})" for t in report.tensors if t.gptq_fallback]
+    if fell:
+        rows.append(("GPTQ fallback", ", ".join(fell[:4]) + (" ..." if len(fell) > 4 else "")))
     width = max(len(k) for k, _ in rows)
     click.echo("")
     for k, v in rows:

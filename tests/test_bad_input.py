@@ -39,3 +39,40 @@ def test_hub_snapshot_links_into_blobs_are_accepted(tmp_path, tiny_llama):
         shutil.copy(f, blobs / f.name)
         (snap / f.name).symlink_to(Path("../../blobs") / f.name)
     assert "model.embed_tokens.weight" in open_checkpoint(snap).names
+
+
+@pytest.mark.parametrize("name", ["LlamaTokenizer", "LlamaTokenizerFast", "GPT2TokenizerFast",
+                                  "Qwen2TokenizerFast", "GemmaTokenizerFast",
+                                  "PreTrainedTokenizerFast", "TokenizersBackend"])
+def test_standard_tokenizer_classes_are_accepted(name, tmp_path):
+    """tokenizer_class names real checkpoints carry (slow names, their fast twins, the
+    generic ones) pass the unknown-class check."""
+    from cpu_quant.io.checkpoint import check_tokenizer_class
+
+    check_tokenizer_class(name, tmp_path / "tokenizer_config.json")
+
+
+def test_zero_size_tensors_and_shards_in_any_order_open(tmp_path, tiny_llama):
+    """The exact-tiling check of a safetensors file accepts what the format allows: a tensor
+    of no elements (its offsets an empty range) and shards whose tensors are split in any
+    way, with or without an index."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from cpu_quant.io.checkpoint import open_checkpoint
+
+    src = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2],
+             "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, part in parts.items():
+        save_file({n: tensors[n] for n in part} | ({"empty": torch.zeros(0, 4)}
+                                                  if fname.startswith("model-00001") else {}),
+                  src / fname, metadata={"format": "pt"})
+    ckpt = open_checkpoint(src)
+    assert ckpt.shape("empty") == (0, 4) and len(ckpt.names) == len(names) + 1
+    index = {n: f for f, part in parts.items() for n in part}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    assert sorted(open_checkpoint(src).names) == names

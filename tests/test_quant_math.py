@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -205,6 +207,115 @@ def test_damped_inverse_factor_matches_float64_textbook_route():
         assert ((u.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
         assert torch.allclose((u.double().t() @ u.double()) @ hd, torch.eye(k, dtype=torch.float64),
                               atol=1e-3)
+
+
+def _few_token_hessian(k: int = 1024, tokens: int = 4, dead: int = 8) -> torch.Tensor:
+    """A Hessian as a short calibration makes one (``hessians.gram`` of bf16 activations):
+    fewer tokens than columns, so of rank ``tokens`` at most, with ``dead`` input channels that
+    never fire and a direction every token shares (as LLM activations have). One slab's bf16
+    product rounds every entry by up to 2^-9 of itself, which leaves the matrix indefinite:
+    here its smallest eigenvalue is about -0.37x its mean diagonal (-0.87x at K = 4096; at
+    K = 8192, the width of a 1B model's down projection, beyond the default damping's last
+    step, -1x: the reported crash)."""
+    from cpu_quant.quantize.hessians import gram
+
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randn(k, generator=gen)
+    x = torch.randn(tokens, k, generator=gen) + 1e4 * torch.randn(tokens, 1, generator=gen) * shared
+    x[:, :dead] = 0.0
+    return 2 * gram(x.to(torch.bfloat16)) / tokens
+
+
+def _prepare_as_before(h: torch.Tensor, act_order: bool, damp: float):
+    """prepare_hessian as it was before the float64 and round-to-nearest fallbacks: float32,
+    DAMP_STEPS only."""
+    from cpu_quant.quantize.gptq import HessianPrep
+
+    h = h.to(torch.float32).clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    importance = torch.diag(h).clone()
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(h.shape[0])
+    h = h[perm][:, perm]
+    hinv, used, raised = _damped_cholesky_inverse(h, damp)
+    return HessianPrep(dead, importance, perm, hinv, used, raised)
+
+
+def test_a_hessian_that_factors_in_float32_gives_the_same_result_as_before():
+    """No change for inputs that worked: positive definite, rank-deficient with raised damping
+    (the few-token Hessian at the default 1%), with and without act-order: codes and scales
+    equal, bit for bit, to the float32-only route, and no fallback recorded."""
+    gen = torch.Generator().manual_seed(12)
+    x = _correlated_inputs(2048, 256, seed=12)
+    cases = [(2 * x.t() @ x / x.shape[0], False), (_few_token_hessian(), True)]
+    for h, raised in cases:
+        w = torch.randn(48, h.shape[0], generator=gen)
+        for act_order in (True, False):
+            gq, stats = quantize_gptq(w, h, 32, GridSpec(), act_order=act_order)
+            before, old = quantize_gptq(w, _prepare_as_before(h, act_order, 0.01), 32, GridSpec(),
+                                        act_order=act_order)
+            assert torch.equal(gq.codes, before.codes) and torch.equal(gq.scales, before.scales)
+            assert (stats.damp, stats.damp_raised) == (old.damp, old.damp_raised)
+            assert stats.damp_raised == raised and stats.fallback is None
+
+
+def test_a_rank_deficient_hessian_falls_back_and_the_report_says_so(caplog):
+    """The few-token Hessian with dead columns, at dampings whose float32 steps all fail (a
+    smaller --damp stands in for a wider matrix: the steps end below the rounding noise).
+    At 0.001 the float64 steps reach 1.0x the mean diagonal and GPTQ runs; at 0.0001 they end
+    at 0.1x, nothing factors, and the module takes the weighted scale search without GPTQ.
+    Either way no exception, finite results and valid codes, and what happened in the
+    tensor's report; the round-to-nearest one with a one-line warning."""
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize import schedule
+    from cpu_quant.quantize.gptq import HessianNotPositiveDefinite, prepare_hessian
+    from cpu_quant.quantize.plan import plan_linear
+
+    caplog.set_level(logging.WARNING, logger="cpu_quant.quantize")  # whatever an earlier -q set
+    h = _few_token_hessian()
+    k = h.shape[0]
+    assert torch.linalg.eigvalsh(h.double())[0] < -0.3 * torch.diag(h).mean()
+    with pytest.raises(HessianNotPositiveDefinite):
+        _prepare_as_before(h, True, 0.001)  # what crashed the main job
+    prep = prepare_hessian(h, act_order=True, damp=0.001)
+    assert prep.fallback == "float64" and prep.damp == 1.0 and prep.damp_raised
+
+    gen = torch.Generator().manual_seed(13)
+    limits = get_format("gptq").limits
+    jobs = [schedule.QuantJob(torch.randn(32, k, generator=gen).to(torch.bfloat16),
+                              plan_linear(name, k, 32, 32, False, limits), h)
+            for name in ("gate", "up")]  # two linears sharing the Hessian: one stacked sweep
+    for damp, fallback, used in ((0.001, "float64", 1.0), (0.0001, "rtn", None)):
+        caplog.clear()
+        settings = schedule.QuantSettings(method="gptq", group_size=32, damp=damp)
+        for (gq, rep), job in zip(schedule.quantize_linears(jobs, settings, GridSpec()), jobs,
+                                  strict=True):
+            assert gq.codes.min() >= 0 and gq.codes.max() <= 15
+            assert torch.isfinite(gq.scales).all() and torch.isfinite(gq.dequantize()).all()
+            assert (rep.gptq_fallback, rep.damp, rep.damp_raised) == (fallback, used, True)
+            assert rep.weighted_snr_db > 20  # measured 22.7-22.8 dB
+            if fallback == "rtn":  # exactly the weighted scale search's result
+                rtn = quantize_rtn(job.weight, 32, GridSpec(), torch.diag(h))
+                assert torch.equal(gq.codes, rtn.codes) and torch.equal(gq.scales, rtn.scales)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        if fallback == "rtn":
+            assert len(warnings) == 1 and warnings[0].startswith("warning: gate, up: Hessian is "
+                                                                  "not positive definite")
+        else:
+            assert not warnings
+
+
+def test_a_hessian_with_inf_is_refused_in_one_line():
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize import schedule
+    from cpu_quant.quantize.plan import plan_linear
+
+    h = torch.eye(64)
+    h[3, 3] = float("inf")
+    job = schedule.QuantJob(torch.randn(32, 64), plan_linear("down", 64, 32, 32, False,
+                                                             get_format("gptq").limits), h)
+    with pytest.raises(CpuQuantError, match="down: its calibration inputs are not finite"):
+        schedule.quantize_linears([job], schedule.QuantSettings(group_size=32), GridSpec())
 
 
 def test_groupquant_dequantize_formula():

@@ -17,6 +17,7 @@ from ..errors import CpuQuantError
 from ..formats import format_for_quant_method
 from ..io.checkpoint import (
     Checkpoint,
+    check_config_sizes,
     check_float_weights,
     empty_causal_lm,
     load_hf_config,
@@ -62,7 +63,9 @@ def dequantized_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, to
 
 def _empty_model(ckpt: Checkpoint, dtype: torch.dtype):
     """(the model ``ckpt``'s config builds, without memory; whether its head is tied), or a
-    one-line error for a config transformers cannot read or build."""
+    one-line error for a config transformers cannot read or build, or whose sizes its tensors
+    contradict (refused before the build: a config can state a billion layers)."""
+    check_config_sizes(ckpt)
     config = load_hf_config(ckpt.path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

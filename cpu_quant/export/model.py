@@ -27,7 +27,6 @@ and -inf would destroy its scale; exp(-255) is 0 in float32 anyway.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CpuQuantError
-from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.checkpoint import Checkpoint, open_checkpoint, read_config
 
 if TYPE_CHECKING:
     from .runner import GraphShape
@@ -72,14 +71,7 @@ class DecoderSpec:
 def read_spec(src: str | Path) -> DecoderSpec:
     """Validate the architecture in ``src/config.json``; one-line error when unsupported."""
     cfg_path = Path(src) / "config.json"
-    if not cfg_path.is_file():
-        raise CpuQuantError(f"{src} has no config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CpuQuantError(f"{cfg_path}: not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise CpuQuantError(f"{cfg_path}: expected a JSON object")
+    cfg = read_config(Path(src))
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -101,9 +93,8 @@ def read_spec(src: str | Path) -> DecoderSpec:
     if hidden % n_heads and cfg.get("head_dim") is None:
         raise CpuQuantError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
                             f"num_attention_heads {n_heads}")
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, int | float):
-        raise CpuQuantError(f"{cfg_path}: rms_norm_eps must be a number, not {eps!r}")
+    eps = cfg.get("rms_norm_eps")  # a finite number >= 0 or null (read_config checked it)
+    eps = 1e-6 if eps is None else eps
     sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if sliding is not None:
         sliding = positive("sliding_window")

@@ -35,7 +35,7 @@ import torch
 from ..data.corpus import load_texts
 from ..errors import CpuQuantError, Interrupted, VerificationFailed
 from ..io.artifact import StagedOutput, check_destination
-from ..io.checkpoint import check_float_weights, load_tokenizer, open_checkpoint
+from ..io.checkpoint import check_config_sizes, check_float_weights, load_tokenizer, open_checkpoint
 from ..quantize.smooth_fold import load_factors
 from . import qnn, readback, xnnpack
 from . import weights as phone_weights
@@ -321,6 +321,7 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     check_max_seq_len(spec, settings.max_seq_len)
     ckpt = open_checkpoint(src)  # its headers and index, before minutes of work
     check_float_weights(ckpt)
+    check_config_sizes(ckpt)  # before a graph of the config's sizes is built
     ckpt.close()
     # a bad --calib file, before the tokenizer loads (a missing one is an error even at 0)
     calib_texts = (load_texts(settings.calib, "calibration")

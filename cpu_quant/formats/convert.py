@@ -72,7 +72,7 @@ def repack_module(source: SafetensorsFormat, target: SafetensorsFormat,
 def _read_report(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):  # RecursionError: nested too deeply
         raise CpuQuantError(f"{path}: not valid JSON; not converted") from None
     if not isinstance(data, dict):
         raise CpuQuantError(f"{path}: not a JSON object; not converted")

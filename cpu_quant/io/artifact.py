@@ -81,7 +81,7 @@ ARTIFACT_MARKERS = ("quantization_report.json", "export_report.json")
 def _has_quantization_config(config: Path) -> bool:
     try:
         data = json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
         return False
     return isinstance(data, dict) and isinstance(data.get("quantization_config"), dict)
 
@@ -104,14 +104,26 @@ def is_replaceable_artifact(directory: Path, _depth: int = 0) -> bool:
                                and is_replaceable_artifact(e, 1) for e in entries)
 
 
+def _resolved(path: Path) -> Path | None:
+    """``path`` with its links resolved, or None for a symlink loop."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a loop, before Python 3.13
+        return None
+
+
 def check_destination(dst: str | Path, sources: Iterable[str | Path], overwrite: bool,
                       *, directory: bool = True) -> None:
     """Refuse an output path that would destroy or write into a source, or replace something
     cpu-quant did not write. ``directory=False`` for an output file (``eval --json``)."""
     dst_path = Path(dst)
-    real = dst_path.resolve()
+    real = _resolved(dst_path)
+    if real is None:
+        raise CpuQuantError(f"output {dst} is a symlink loop; choose another output path")
     for src in sources:
-        src_real = Path(src).resolve()
+        src_real = _resolved(Path(src))
+        if src_real is None:  # it cannot be read either: reading it says so, in one line
+            continue
         if real == src_real:
             raise CpuQuantError(f"output {dst} is the source {src}; choose another output path")
         if real in src_real.parents:

@@ -4,8 +4,16 @@ Inputs are a float weight ``W`` [N, K] and, for GPTQ, the Hessian ``H = 2 XᵀX 
 accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQuant`.
 
 * dampening: ``damp · mean(diag H)`` is added to the diagonal (default 1%); when the Cholesky
-  factorisation fails the factor is raised (×3 each time, up to 100%) and the used value is
-  reported;
+  factorisation fails the factor is raised (×3 each time, up to 100×) and the used value is
+  reported. A Hessian of few calibration tokens (fewer than its columns: a rarely routed
+  expert, a wide down projection) is singular, and float32's rounding, with the rounding of
+  its bf16 products (``hessians.gram``), can then defeat every float32 step: the same and
+  larger steps follow in float64 (``DAMP_STEPS_FLOAT64``), and when even those fail
+  :class:`HessianNotPositiveDefinite` tells the caller to fall back to round-to-nearest
+  with the weighted scale search (``schedule.quantize_linears`` does, and reports it). A
+  Hessian that factors in float32 is used exactly as before;
+* dead input channels (a zero diagonal: the channel never fired) get ``H[i, i] = 1`` and
+  their weight columns are zeroed, as in the reference GPTQ implementation;
 * the column sweep is blocked with lazy batch updates; the block is a multiple of the group
   size so that a group never straddles two blocks and its scale search sees the fully updated
   columns;
@@ -28,6 +36,10 @@ from .grid import QMAX, QMIN, QZERO, GroupQuant, grouped, quantize_codes
 from .scale_search import absmax_scales, search_asymmetric_scales, search_symmetric_scales
 
 DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)
+# after every float32 step failed: float64, from the requested damping up to 1000x it (10x
+# the mean diagonal at the default 1%: the damping then outweighs the Hessian and GPTQ has
+# little left to correct; past it, round-to-nearest is the honest answer)
+DAMP_STEPS_FLOAT64 = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 SEARCH_CHUNK = 1 << 18  # weights per static-group scale search call (1 MiB of float32)
 
 
@@ -42,10 +54,17 @@ class GridSpec:
     positive_scales: bool = False
 
 
+class HessianNotPositiveDefinite(ValueError):
+    """No damping step makes the Hessian factor: GPTQ cannot run on it."""
+
+
 @dataclass
 class GPTQStats:
-    damp: float
+    damp: float | None  # None: no damping made the Hessian factor (fallback "rtn")
     damp_raised: bool
+    # None: factored in float32 as asked; "float64": float32 failed at every damping step;
+    # "rtn": float64 did too, and the weight took round-to-nearest (schedule.quantize_linears)
+    fallback: str | None = None
 
 
 def fit_group(w: torch.Tensor, importance: torch.Tensor | None, grid: GridSpec
@@ -75,9 +94,11 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, grid: GridSpec,
     return GroupQuant(codes, scale.squeeze(-1), None if zero is None else zero.squeeze(-1), g)
 
 
-def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, bool]:
+def _damped_cholesky_inverse(h: torch.Tensor, damp: float, steps: tuple[float, ...] = DAMP_STEPS
+                             ) -> tuple[torch.Tensor, float, bool]:
     """U, the upper Cholesky factor of the damped inverse: ``UᵀU = (H + λI)⁻¹`` with ``λ`` =
-    ``damp`` times the mean diagonal, ``damp`` raised through DAMP_STEPS until H + λI factors.
+    ``damp`` times the mean diagonal, ``damp`` raised through ``steps`` until H + λI factors
+    (in ``h``'s dtype); :class:`HessianNotPositiveDefinite` when none does.
 
     With J the order reversal and M the lower Cholesky factor of ``J(H + λI)J``:
     ``(H + λI)⁻¹ = J M⁻ᵀ M⁻¹ J = (J M⁻¹ J)ᵀ (J M⁻¹ J)``, and ``J M⁻¹ J`` is upper triangular with
@@ -87,7 +108,7 @@ def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
     against 96 ms) and under CPU contention (potri slowed to 0.9 s), and closer to float64
     (1.4e-7 against 2.3e-7 of the largest entry)."""
     mean_diag = torch.mean(torch.diag(h)).item()
-    for step in DAMP_STEPS:
+    for step in steps:
         used = damp * step
         damped = h.flip(0, 1)
         damped.diagonal().add_(used * mean_diag)
@@ -99,7 +120,8 @@ def _damped_cholesky_inverse(h: torch.Tensor, damp: float) -> tuple[torch.Tensor
         inverse = torch.linalg.solve_triangular(lower, eye, upper=False)
         del lower, eye
         return inverse.flip(0, 1), used, step != 1.0
-    raise ValueError(f"Hessian is not positive definite even with damping {damp * DAMP_STEPS[-1]:.2f}")
+    raise HessianNotPositiveDefinite(f"Hessian is not positive definite even with damping "
+                                     f"{damp * steps[-1]:.2f} ({str(h.dtype).removeprefix('torch.')})")
 
 
 @dataclass
@@ -113,17 +135,27 @@ class HessianPrep:
     hinv: torch.Tensor  # [K, K] upper Cholesky factor of the damped inverse, permuted
     damp: float
     damp_raised: bool
+    fallback: str | None = None  # GPTQStats.fallback
 
 
 def prepare_hessian(hessian: torch.Tensor, *, act_order: bool, damp: float) -> HessianPrep:
+    """Raises :class:`HessianNotPositiveDefinite` when no damping step, in float32 or in
+    float64, makes the Hessian factor."""
     h = hessian.to(torch.float32).clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     importance = torch.diag(h).clone()
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(h.shape[0])
     h = h[perm][:, perm]
-    hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
-    return HessianPrep(dead, importance, perm, hinv, used_damp, raised)
+    try:
+        hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
+        fallback = None
+    except HessianNotPositiveDefinite:
+        wide, used_damp, _ = _damped_cholesky_inverse(h.to(torch.float64), damp,
+                                                      DAMP_STEPS_FLOAT64)
+        hinv, raised, fallback = wide.to(torch.float32), True, "float64"
+        del wide
+    return HessianPrep(dead, importance, perm, hinv, used_damp, raised, fallback)
 
 
 def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, group_size: int,
@@ -204,7 +236,7 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
     codes = codes_t.t().add(QZERO).to(torch.uint8)
     inv = torch.argsort(perm)
     codes = codes[:, inv].contiguous()
-    return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised)
+    return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised, prep.fallback)
 
 
 def weighted_error_terms(reference: torch.Tensor, quantized: torch.Tensor,

@@ -37,7 +37,13 @@ from ..errors import CpuQuantError, Interrupted
 from ..formats import ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
 from ..io.artifact import StagedOutput, check_destination, write_json_atomic
-from ..io.checkpoint import check_float_weights, load_tokenizer, model_context, open_checkpoint
+from ..io.checkpoint import (
+    check_config_sizes,
+    check_float_weights,
+    load_tokenizer,
+    model_context,
+    open_checkpoint,
+)
 from ..memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
@@ -93,10 +99,12 @@ def calibration_batches(src: Path, settings: QuantSettings, texts: list[str]
 
 
 def check_source(ckpt, settings: QuantSettings) -> None:
-    """Refuse, before any work, a source the run cannot quantize faithfully: integer weights
-    (an already-quantized or foreign checkpoint would be cast to float without a word) and a
+    """Refuse, before any work, a source the run cannot quantize faithfully: integer or fp8
+    weights (an already-quantized or foreign checkpoint would be cast to float without a
+    word), a config whose sizes its tensors contradict (before a model is built from it) and a
     calibration window longer than the model's context."""
     check_float_weights(ckpt)
+    check_config_sizes(ckpt)
     context = model_context(ckpt.config)
     if not settings.data_free and context is not None and settings.seqlen > context:
         raise CpuQuantError(f"--seqlen {settings.seqlen} is beyond the model's context of "

@@ -9,6 +9,7 @@ distributed run its rank's share, the others' results received from their ranks
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,9 +18,11 @@ from typing import Protocol
 
 import torch
 
+from ..errors import CpuQuantError
 from .gptq import (
     GPTQStats,
     GridSpec,
+    HessianNotPositiveDefinite,
     HessianPrep,
     prepare_hessian,
     quantize_gptq,
@@ -30,6 +33,8 @@ from .gptq import (
 from .grid import GroupQuant
 from .plan import LinearPlan
 from .settings import QuantSettings, TensorReport
+
+logger = logging.getLogger("cpu_quant.quantize")
 
 
 @contextmanager
@@ -118,6 +123,27 @@ def _cat(parts: list[GroupQuant]) -> GroupQuant:
                       parts[0].group_size)
 
 
+def _prepare(hessian: torch.Tensor, jobs: list[QuantJob], settings: QuantSettings, rank: int,
+             preps: dict[int, HessianPrep]) -> bool:
+    """Factor ``hessian`` into ``preps``; False when no damping makes it factor (its jobs then
+    take the weighted scale search without GPTQ, with a one-line warning from rank 0). A
+    Hessian holding Inf or NaN is refused: the model overflowed on the calibration text."""
+    names = [j.plan.name for j in jobs if j.hessian is hessian]
+    if not bool(torch.isfinite(hessian).all()):
+        raise CpuQuantError(f"{names[0]}: its calibration inputs are not finite (Inf or NaN in "
+                            "its Hessian): the model overflows on the calibration text")
+    try:
+        preps[id(hessian)] = prepare_hessian(hessian, act_order=settings.act_order,
+                                             damp=settings.damp)
+    except HessianNotPositiveDefinite as exc:
+        if rank == 0:
+            logger.warning(f"warning: {', '.join(names)}: {exc}; quantized by round-to-nearest "
+                           "with the weighted scale search, without GPTQ (recorded in the "
+                           "report as gptq_fallback rtn)")
+        return False
+    return True
+
+
 def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSpec,
                      share: RowShare = LOCAL_ROWS) -> list[tuple[GroupQuant, TensorReport]]:
     """Quantize every job; results in the jobs' order, bit-identical to one job at a time.
@@ -149,11 +175,12 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
 
     # each distinct Hessian's Cholesky once, on every thread
     preps: dict[int, HessianPrep] = {}
+    to_rtn: set[int] = set()  # Hessians no damping makes factor: their jobs go to RTN
     if settings.method == "gptq":
         for _, lead, _ in stacked:
-            if lead.hessian is not None and id(lead.hessian) not in preps:
-                preps[id(lead.hessian)] = prepare_hessian(lead.hessian, act_order=settings.act_order,
-                                                          damp=settings.damp)
+            if lead.hessian is not None and id(lead.hessian) not in preps.keys() | to_rtn:
+                if not _prepare(lead.hessian, jobs, settings, share.rank, preps):
+                    to_rtn.add(id(lead.hessian))
 
     def run(piece: Piece):
         _, lead, w = stacked[piece.stack]
@@ -186,7 +213,9 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     for s, (members, lead, _) in enumerate(stacked):
         gq = _cat([results[p] for p in pieces if p.stack == s])
         prep = None if lead.hessian is None else preps.get(id(lead.hessian))
-        stats = None if prep is None else GPTQStats(prep.damp, prep.damp_raised)
+        stats = None if prep is None else GPTQStats(prep.damp, prep.damp_raised, prep.fallback)
+        if lead.hessian is not None and id(lead.hessian) in to_rtn:
+            stats = GPTQStats(None, True, "rtn")
         importance = None if lead.hessian is None else torch.diag(lead.hessian)
         a = 0
         for j in members:
@@ -199,6 +228,7 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
             snr = snr_db(sum(t[0] for t in terms), sum(t[1] for t in terms))
             out[j] = (part, TensorReport(job.plan.name, list(job.weight.shape), job.plan.group_size,
                                          round(snr, 3), stats.damp if stats else None,
-                                         bool(stats and stats.damp_raised)))
+                                         bool(stats and stats.damp_raised),
+                                         stats.fallback if stats else None))
             a = b
     return [out[j] for j in range(len(jobs))]

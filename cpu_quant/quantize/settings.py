@@ -68,6 +68,11 @@ class TensorReport:
     weighted_snr_db: float
     damp: float | None = None
     damp_raised: bool = False
+    # how GPTQ's Hessian was used when the float32 factorisation failed at every damping step
+    # (gptq.prepare_hessian): "float64" (factored in float64, at ``damp``), "rtn" (not even
+    # then: round-to-nearest with the weighted scale search, no error compensation); None
+    # when it factored in float32 or no Hessian was used
+    gptq_fallback: str | None = None
 
 
 @dataclass

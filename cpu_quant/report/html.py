@@ -183,13 +183,16 @@ def bits_section(report: dict) -> str:
 
 def fallbacks_section(report: dict) -> str:
     group = report.get("settings", {}).get("group_size")
-    raised = [(t["name"], t.get("damp")) for t in report.get("tensors", []) if t.get("damp_raised")]
+    raised = [(t["name"], "none factored" if t.get("damp") is None else t["damp"],
+               t.get("gptq_fallback") or "float32")
+              for t in report.get("tensors", []) if t.get("damp_raised")]
     fallback = [(t["name"], t["group_size"]) for t in report.get("tensors", [])
                 if group not in (None, -1) and t["group_size"] != group]
     parts = [f"<p>Damping raised (the Cholesky factorisation failed at the requested damping) on "
              f"<b>{len(raised)}</b> tensor(s); a smaller group than {group} on <b>{len(fallback)}</b>.</p>"]
     if raised:
-        parts.append(_table(raised, ("tensor", "damping used")))
+        # "rtn": no damping made the Hessian factor, even in float64 (gptq.prepare_hessian)
+        parts.append(_table(raised, ("tensor", "damping used", "factored in")))
     if fallback:
         parts.append("<details><summary>group fallbacks</summary>"
                      + _table(fallback, ("tensor", "group")) + "</details>")
@@ -318,7 +321,7 @@ def write_report_html(directory: Path) -> Path:
     except FileNotFoundError:
         raise CpuQuantError(f"{directory} has no quantization_report.json (not a cpu-quant "
                             "artifact?)") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json recurses
         raise CpuQuantError(f"{src}: not valid JSON") from None
     except OSError as exc:
         raise CpuQuantError(f"cannot read {src}: {exc.strerror or exc}") from None

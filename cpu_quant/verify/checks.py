@@ -41,7 +41,7 @@ from ..formats import (
     format_owning,
     get_format,
 )
-from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.checkpoint import Checkpoint, open_checkpoint, parse_json
 from ..quantize.plan import HEAD_NAME, VLLM_FUSED, group_for_module
 from .findings import SEVERITIES, Finding
 from .findings import error as _err
@@ -657,7 +657,7 @@ def _unreadable(root: Path, exc: CpuQuantError) -> VerifyReport | None:
     if not (root.is_dir() and (root / "config.json").is_file()):
         return None
     try:
-        config = json.loads((root / "config.json").read_text())
+        config = parse_json((root / "config.json").read_text(), str(root / "config.json"))
         qcfg = (load_quantization_config(root, config) if isinstance(config, dict) else None) or {}
         spec = format_for(str(qcfg.get("quant_method", "")))
     except (json.JSONDecodeError, UnicodeDecodeError, CpuQuantError):

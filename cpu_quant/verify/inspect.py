@@ -124,7 +124,7 @@ def _report_headline(root: Path) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json recurses
         return {"error": "quantization_report.json is not valid JSON"}
     if not isinstance(data, dict):
         return {"error": "quantization_report.json is not a JSON object"}

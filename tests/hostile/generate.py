@@ -306,6 +306,90 @@ def _negative_shape(h: dict) -> None:
     h[f"{UP}.weight"]["shape"] = [-1, 64]
 
 
+def _trailing_garbage(d: Path) -> None:
+    with open(_shard(d), "ab") as fh:
+        fh.write(b"\0appended bytes that belong to no tensor" * 16)
+
+
+NESTED_DEPTH = 100_000  # far beyond Python's recursion limit (json.loads recurses per level)
+
+
+def _nested_json() -> bytes:
+    return b'{"a":' * NESTED_DEPTH + b"1" + b"}" * NESTED_DEPTH
+
+
+def _header_nested(d: Path) -> None:
+    f = _shard(d)
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = _nested_json()
+    head += b" " * (-len(head) % 8)
+    f.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+
+
+def _nested(name: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_bytes(_nested_json())
+
+
+def _overlap_offsets(h: dict) -> None:
+    # up_proj's bytes made gate_proj's (the same shape and dtype): two tensors share bytes
+    h[f"{UP}.weight"]["data_offsets"] = list(
+        h["model.layers.1.mlp.gate_proj.weight"]["data_offsets"])
+
+
+def _symlink_loop(d: Path) -> None:
+    shutil.rmtree(d)
+    d.symlink_to(d.name)
+
+
+def _shard_symlink_loop(d: Path) -> None:
+    f = _shard(d)
+    f.unlink()
+    f.symlink_to(f.name)
+
+
+def _shard_a_directory(d: Path) -> None:
+    f = _shard(d)
+    f.unlink()
+    f.mkdir()
+    (f / "notes.txt").write_text("a directory named like a shard")
+
+
+def _in_two_shards(d: Path) -> None:
+    """Two shards (no index), each holding a copy of up_proj's weight."""
+    from safetensors.torch import load_file, save_file
+
+    f = _shard(d)
+    tensors = load_file(f)
+    names = sorted(tensors)
+    half = len(names) // 2
+    first = {n: tensors[n] for n in names[:half]}
+    second = {n: tensors[n] for n in names[half:]}
+    first[f"{UP}.weight"] = second[f"{UP}.weight"] = tensors[f"{UP}.weight"]
+    f.unlink()
+    save_file(first, d / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(second, d / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+
+
+def _in_two_indexed_shards(d: Path) -> None:
+    """As :func:`_in_two_shards`, with an index that maps every tensor to one of them."""
+    from safetensors import safe_open
+
+    _in_two_shards(d)
+    weight_map = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            weight_map.update(dict.fromkeys(fh.keys(), f.name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _fifo(name: str) -> Callable[[Path], None]:
+    def fault(d: Path) -> None:
+        (d / name).unlink(missing_ok=True)
+        os.mkfifo(d / name)
+    return fault
+
+
 def _no_safetensors(d: Path) -> None:
     for f in d.glob("*.safetensors*"):
         f.unlink()
@@ -449,6 +533,31 @@ MODEL_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
                                   "cannot read the model config"),
     "context-shorter-than-seqlen": (_config(lambda c: c.update(max_position_embeddings=16)),
                                     "beyond the"),
+    "trailing-garbage": (_trailing_garbage, "after the last tensor"),
+    "header-nested-json": (_header_nested, "nested too deeply"),
+    "config-nested-json": (_nested("config.json"), "nested too deeply"),
+    "index-nested-json": (_nested("model.safetensors.index.json"), "nested too deeply"),
+    "header-overlapping-offsets": (_header(_overlap_offsets), "share bytes"),
+    "fp8-weight": (_to_dtype(f"{UP}.weight", "float8_e4m3fn"), "is F8_E4M3"),
+    "symlink-loop": (_symlink_loop, "symlink loop"),
+    "shard-symlink-loop": (_shard_symlink_loop, "symlink loop"),
+    "shard-a-directory": (_shard_a_directory, "not a regular file"),
+    "tensor-in-two-shards": (_in_two_shards, "is in both model-00001-of-00002.safetensors "
+                                             "and model-00002-of-00002.safetensors"),
+    # an index names one copy, but a loader that reads every tensor of every shard takes the other
+    "tensor-in-two-indexed-shards": (_in_two_indexed_shards, "is in both"),
+    "tokenizer-config-fifo": (_fifo("tokenizer_config.json"), "not a regular file"),
+    "tokenizer-class-unknown": (lambda d: edit_json(d / "tokenizer_config.json", lambda c: c.update(
+        tokenizer_class="NopeTokenizerFast")), "NopeTokenizerFast"),
+    "config-eps-nan": (_config(lambda c: c.update(rms_norm_eps=float("nan"))),
+                       "rms_norm_eps must be a finite number >= 0"),
+    "config-eps-negative": (_config(lambda c: c.update(rms_norm_eps=-1e-5)),
+                            "rms_norm_eps must be a finite number >= 0"),
+    "config-vocab-huge": (_config(lambda c: c.update(vocab_size=10**12)),
+                          "vocab_size is 1000000000000"),
+    "config-layers-huge": (_config(lambda c: c.update(num_hidden_layers=10**9)),
+                           "num_hidden_layers is 1000000000"),
+    "huge-weight": (_set_value(f"{UP}.weight", 3e38), "3e+38"),
 }
 
 MODEL_COMMANDS: dict[str, CommandLine] = {
@@ -465,8 +574,10 @@ MODEL_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     # architecture (what it says about a config that disagrees is a finding per module)
     **{(f, "verify-source"): None
        for f in ("tokenizer-missing", "tokenizer-corrupt", "tokenizer-auto-map",
+                 "tokenizer-config-fifo", "tokenizer-class-unknown",
                  "context-shorter-than-seqlen", "config-no-intermediate",
-                 "config-unknown-model-type", "config-disagrees")},
+                 "config-unknown-model-type", "config-disagrees", "config-vocab-huge",
+                 "config-layers-huge")},
     # export-phone builds its own graph from the config (read_spec)
     ("config-no-intermediate", "export-phone"): "intermediate_size is missing",
     ("config-unknown-model-type", "export-phone"): None,  # it reads `architectures`, unchanged
@@ -475,7 +586,6 @@ MODEL_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     ("inf-weight", "eval-reference"): None,
     ("inf-weight", "export-phone"): None,
     ("context-shorter-than-seqlen", "export-phone"): "--max-seq-len 64 is beyond",
-    ("missing", "export-phone"): "has no config.json",
     ("a-file", "export-phone"): "is a file",
 }
 
@@ -546,6 +656,7 @@ ARTIFACT_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "no-config": (_remove("config.json"), "has no config.json"),
     "config-not-json": (_write("config.json", "{not json"), "not valid JSON"),
     "config-a-list": (_write("config.json", "[1, 2]"), "expected a JSON object"),
+    "config-nested-json": (_nested("config.json"), "nested too deeply"),
     "quant-method-unknown": (_qcfg(lambda q: q.update(quant_method="awq")), "awq"),
     "qcfg-a-list": (_config(lambda c: c.update(quantization_config=[1])),
                     "quantization_config"),
@@ -568,6 +679,7 @@ ARTIFACT_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "weight-map-list": (_index({"weight_map": ["a", "b"]}), "weight_map must map"),
     "report-a-list": (_write("quantization_report.json", "[1, 2]"), "not a JSON object"),
     "report-not-json": (_write("quantization_report.json", "{nope"), "not valid JSON"),
+    "report-nested-json": (_nested("quantization_report.json"), "not valid JSON"),
     "report-wrong-types": (lambda d: edit_json(d / "quantization_report.json",
                                                lambda r: r.update(settings=[1], tensors=3,
                                                                   plan_notes=7)),
@@ -583,7 +695,7 @@ ARTIFACT_COMMANDS: dict[str, CommandLine] = {
     "report": lambda ws, q: ["report", q],
 }
 
-_REPORT_FAULTS = ("report-a-list", "report-not-json", "report-wrong-types")
+_REPORT_FAULTS = ("report-a-list", "report-not-json", "report-nested-json", "report-wrong-types")
 ARTIFACT_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     # `report` reads only quantization_report.json; the others do not need the report
     **{(f, "report"): None for f, _ in ARTIFACT_FAULTS.items()
@@ -598,6 +710,7 @@ ARTIFACT_OVERRIDES: dict[tuple[str, str], str | Expect | None] = {
     # verify reports a broken artifact as findings (exit 1); a missing one is an error (2)
     **{(f, "verify"): finding(needle) for f, needle in (
         ("config-not-json", "not valid JSON"), ("config-a-list", "expected a JSON object"),
+        ("config-nested-json", "nested too deeply"),
         ("bits-a-string", "quantization_config.bits is '4'"),
         ("bits-a-list", "quantization_config.bits is [4]"), ("bits-8", "bits=8"),
         ("group-mismatch", "group 64"), ("group-a-string", "group_size is '32'"),
