@@ -21,8 +21,20 @@ SERVE = {
     "cpu_int4": ("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads the "
                  "plugin through its `vllm.general_plugins` entry point, no flag needed)",
                  "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
-    "gguf": ("llama.cpp", "llama-cli -m {file}"),
 }
+NO_REPACK_WHY = ("`--no-repack` turns off llama.cpp's weight repacking: on CPUs with AMX, "
+                 "llama.cpp repacks Q4_0 weights for AMX and then crashes (SIGSEGV) at the "
+                 "first token; without repacking it runs on every CPU.")
+
+
+def serve_command(format_name: str, target: Path) -> tuple[str, str, list[str]]:
+    """How to serve an artifact: the runtime, its command, and lines that explain it."""
+    if format_name == "gguf":
+        from .formats.gguf import llama_cpp_command
+
+        return "llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)), [NO_REPACK_WHY]
+    what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))
+    return what, serve.format(dir=str(target)), []
 
 
 def _front_matter(readme: Path) -> dict[str, str]:
@@ -202,9 +214,7 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
     licence, where = source_licence(source)
     base = _base_model(source)
     name = Path(directory).name
-    what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))
-    target = Path(directory)
-    serve_cmd = serve.format(dir=str(target), file=str(target))
+    what, serve_cmd, serve_notes = serve_command(format_name, Path(directory))
     lines = [
         "---",
         f"license: {licence or 'unknown'}",
@@ -248,6 +258,7 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
         "```bash",
         serve_cmd,
         "```",
+        *(["", *serve_notes] if serve_notes else []),
         "",
         "`quantization_report.json` beside this card holds every tensor's weighted SNR, the "
         "timings and the provenance; `cpu-quant report DIR` renders it as `report.html`.",
