@@ -246,6 +246,57 @@ def test_a_stopped_rank_stops_the_run_after_the_timeout(tiny, calib_text, tmp_pa
     assert not dst.exists() and not (tmp_path / ".out.partial" / "config.json").exists()
 
 
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.update(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.e2e
+def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tmp_path):
+    """SIGKILL to the ``--nproc 2`` launcher (which then cannot stop its ranks; they run in
+    sessions of their own) once the run is writing: both ranks end within seconds, and DST
+    never appears (an orphaned rank would finish the run and write it after the failure)."""
+    import signal
+    import time
+
+    dst = tmp_path / "out"
+    launcher = subprocess.Popen([*CLI, "gptq", str(tiny), str(dst), "--calib", str(calib_text),
+                                 *TINY_CALIB, "--nproc", "2"], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ".out.partial").is_dir():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [r for r in ranks if _alive(r)]
+        for r in left:  # this test's own processes: never leave them behind
+            os.kill(r, signal.SIGKILL)
+        assert not left, f"ranks {left} outlived their launcher"
+        time.sleep(2)
+        assert not dst.exists()
+        assert not (tmp_path / ".out.partial" / "config.json").exists()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def _by_hand(args0: list[str], args1: list[str], cwd0: Path, cwd1: Path
              ) -> list[subprocess.CompletedProcess]:
     """Two ranks started by hand (torch's env:// rendezvous, rank 0 hosting the store)."""

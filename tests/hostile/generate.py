@@ -943,6 +943,10 @@ QUANTIZE_OPTION_FAULTS = {
     "samples-not-a-number": (["--samples", "many"], "Invalid value for '--samples'"),
     "method-unknown": (["--method", "awq"], "Invalid value for '--method'"),
     "unknown-option": (["--calib-decode-tokens", "8"], "No such option"),
+    # refused before any rank starts: no processes to leave behind
+    "nproc-1000": (["--nproc", "1000"], "--nproc 1000 is more than 4 ranks per CPU"),
+    "nproc-beyond-batches": (["--nproc", "3", "--samples", "2", "--batch-size", "1"],
+                             "3 ranks need at least 3 calibration batches, there are 2"),
 }
 # tinygemm writes one format: it has no --format
 QUANTIZE_OPTION_NOT_TINYGEMM = {"format-unknown", "format-empty"}
