@@ -69,7 +69,7 @@ def die_with_launcher() -> None:
     """In a rank started by ``--nproc``: have the kernel SIGKILL this process when the
     launcher ends, however it ends (a SIGKILL to it included: the elastic agent then cannot
     stop its ranks itself, and they run in sessions of their own). Nothing elsewhere."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")  # not for this rank's own children
     if not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -94,7 +94,7 @@ def launch_ranks(nproc: int, argv: list[str], threads: int | None) -> int:
     from .quantize.distributed import LAUNCHER_ENV
 
     os.environ[LAUNCHER_ENV] = LAUNCHER_NAME
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' environment is copied from ours
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
@@ -109,6 +109,8 @@ def launch_ranks(nproc: int, argv: list[str], threads: int | None) -> int:
         # already started die with this process (die_with_launcher)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CpuQuantError(f"could not start {nproc} ranks: {first}") from None
+    finally:
+        os.environ.pop(LAUNCHER_PID_ENV, None)
     return 0
 
 

@@ -246,6 +246,22 @@ def test_a_stopped_rank_stops_the_run_after_the_timeout(tiny, calib_text, tmp_pa
     assert not dst.exists() and not (tmp_path / ".out.partial" / "config.json").exists()
 
 
+def test_a_rank_whose_launcher_is_gone_ends_itself():
+    """``die_with_launcher`` in a process started by ``--nproc``'s launcher: alive while its
+    launcher is its parent (and the variable does not reach its own children); SIGKILLed at
+    once when the launcher ended before the death signal was asked for."""
+    import signal
+
+    code = ("import os; from cpu_quant.launcher import die_with_launcher; die_with_launcher(); "
+            "print(os.environ.get('CPU_QUANT_LAUNCHER_PID'))")
+    alive = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env=_env(CPU_QUANT_LAUNCHER_PID=str(os.getpid())))
+    assert alive.returncode == 0 and alive.stdout.strip() == "None", alive.stderr[-2000:]
+    orphan = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=_env(CPU_QUANT_LAUNCHER_PID="1"))
+    assert orphan.returncode == -signal.SIGKILL, (orphan.returncode, orphan.stderr[-2000:])
+
+
 def _children(pid: int) -> set[int]:
     out: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
