@@ -9,7 +9,7 @@ from pathlib import Path
 from .model_card import write_model_card
 
 
-def _report_of(directory: Path) -> dict | None:
+def read_report(directory: Path) -> dict | None:
     path = Path(directory) / "quantization_report.json"
     try:
         return json.loads(path.read_text())
@@ -24,7 +24,7 @@ def finish_outputs(outputs: dict[str, str], source: Path, fallback: dict | None 
 
     written = []
     for format_name, directory in outputs.items():
-        report = _report_of(Path(directory))
+        report = read_report(Path(directory))
         written.append(write_model_card(Path(directory), report or fallback or {}, source,
                                         format_name))
         if report is not None:
@@ -39,6 +39,6 @@ def record_conversion(output: str | Path, format_name: str, source: str | Path) 
 
     from .quantize.pipeline import update_report
 
-    if _report_of(Path(output)) is not None:
+    if read_report(Path(output)) is not None:
         update_report(Path(output), convert_command_line="cpu-quant " + shlex.join(sys.argv[1:]))
     return finish_outputs({format_name: str(output)}, Path(source))

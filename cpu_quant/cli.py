@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import click
 
-from .cli_conventions import RunConventions, no_resume_on_interrupt, run_options
-from .cli_support import (
+from .cli_conventions import require_working_directory
+
+require_working_directory()  # before the imports below load torch
+
+from .cli_conventions import RunConventions, no_resume_on_interrupt, run_options  # noqa: E402
+from .cli_support import (  # noqa: E402
     OneLineUsageErrors,
     friendly_errors,
     quantize_options,
     run_quantize_command,
 )
-from .eval.settings import DEFAULT_EVAL, FULL_EVAL
+from .eval.settings import DEFAULT_EVAL, FULL_EVAL  # noqa: E402
 
 
 @click.group(cls=OneLineUsageErrors, context_settings={"help_option_names": ["-h", "--help"]})

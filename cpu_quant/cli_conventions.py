@@ -24,6 +24,40 @@ import click
 
 from .errors import CpuQuantError, Interrupted
 
+
+def require_working_directory() -> None:
+    """Exit with one line when this process's working directory was deleted: torch's MKL
+    cannot load from there (it aborts with a fatal error of its own), and a default output
+    path would have nowhere to go. Called before anything imports torch."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        click.echo("error: the working directory no longer exists (it was deleted): run "
+                   "cpu-quant from an existing directory", err=True)
+        sys.exit(2)
+
+
+def exit_on_next_signal(status: int) -> None:
+    """The command is on its way out with ``status``: a further Ctrl-C or SIGTERM ends the
+    process at once with that status, never by the signal (Python's own death by SIGINT when
+    a KeyboardInterrupt escapes at exit) nor with a traceback."""
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum, frame) -> None:
+        sys.stderr.flush()
+        os._exit(status)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
+
+
 JSON_HELP = ("Print a machine-readable summary as one JSON document on stdout, and nothing else "
              "there (progress and notes go to stderr).")
 

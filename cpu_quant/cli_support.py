@@ -22,19 +22,21 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .quantize.signals import sigterm_as_ctrl_c
+        from .quantize.signals import signals_held, sigterm_as_ctrl_c
 
         try:
             with sigterm_as_ctrl_c():
                 return fn(*args, **kwargs)
         except CpuQuantError as exc:
-            if not getattr(exc, "cpu_quant_quiet", False):
-                click.echo(f"error: {exc}", err=True)
+            with signals_held():  # a second Ctrl-C does not cut the line short
+                if not getattr(exc, "cpu_quant_quiet", False):
+                    click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
-            if not getattr(exc, "cpu_quant_quiet", False):
-                click.echo("interrupted: the output was not written; a quantization run can be "
-                           "continued with --resume", err=True)
+            with signals_held():
+                if not getattr(exc, "cpu_quant_quiet", False):
+                    click.echo("interrupted: the output was not written; a quantization run "
+                               "can be continued with --resume", err=True)
             sys.exit(130)
 
     return wrapper
@@ -56,7 +58,35 @@ class UsageErrorLine(click.ClickException):
 
 class OneLineUsageErrors(click.Group):
     """The ``cpu-quant`` group: a usage error, its own or a subcommand's, is one ``error:``
-    line."""
+    line; so is output that cannot be written (stdout on a full device)."""
+
+    def __call__(self, *args, **kwargs):
+        """The process's entry point (``cpu-quant``, ``python -m cpu_quant``; click's test
+        runner calls :meth:`main` instead): once the command has decided its exit status, a
+        further Ctrl-C or SIGTERM (while Python joins threads at exit, say) exits with it."""
+        from .cli_conventions import exit_on_next_signal
+
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as exc:
+            code = exc.code
+            exit_on_next_signal(code if isinstance(code, int) else 0 if code is None else 1)
+            raise
+
+    def main(self, *args, **kwargs):
+        try:
+            try:
+                return super().main(*args, **kwargs)
+            finally:
+                sys.stdout.flush()  # what is still buffered fails here, not at interpreter exit
+        except OSError as exc:
+            if not _writing_stdout(exc):
+                raise
+            # later flushes of the same buffer go nowhere instead of failing again at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            click.echo(f"error: cannot write to standard output: {exc.strerror or exc}", err=True)
+            sys.exit(1)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
@@ -71,6 +101,18 @@ class OneLineUsageErrors(click.Group):
             return super().invoke(ctx)
         except click.UsageError as exc:
             raise UsageErrorLine(exc) from None
+
+
+def _writing_stdout(exc: OSError) -> bool:
+    """Did ``exc`` come from writing or flushing stdout (click's ``echo``, the JSON emitter,
+    the final flush), not from a file the command was working on?"""
+    tb = exc.__traceback__
+    names = set()
+    while tb is not None:
+        names.add(tb.tb_frame.f_code.co_name)
+        last = tb
+        tb = tb.tb_next
+    return bool(names & {"echo", "stdout_for_json"}) or last.tb_frame.f_code.co_name == "main"
 
 
 def _resolve_source(src: str | None) -> Path:
@@ -250,7 +292,9 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
             raise CpuQuantError(f"--nproc {nproc} in a process started as one of {local} ranks: "
                                 "--nproc starts the ranks itself; under torchrun leave it out")
     elif nproc is not None and nproc > 1:
-        from .launcher import launch_ranks
+        from .launcher import check_nproc, launch_ranks
+
+        check_nproc(nproc, opts["samples"], opts["batch_size"], opts["calib"] != "none")
 
         sys.exit(launch_ranks(nproc, sys.argv[1:], opts["threads"]))
     with joined(timeout) as team:
@@ -279,68 +323,93 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
                    "bytes of a 4-bit head", err=True)
     conv.note(f"quantizing {source} -> {target} ({kind}, {settings.method}, group {settings.group_size})")
     meter = PhaseMeter()
-    with meter.phase("quantize"):
-        report = quantize_checkpoint(source, target, settings, formats, overwrite=opts["overwrite"],
-                                     resume=opts["resume"], progress=conv.progress, team=team)
-    team.release_signals()
-    if not team.writer:
-        return {}
-    if team.world_size > 1:  # the other ranks on this host are done: the checks get their threads
-        import torch
+    committed: dict[str, str] = {}  # the outputs, once DST is in place
+    try:
+        with meter.phase("quantize"):
+            report = quantize_checkpoint(source, target, settings, formats,
+                                         overwrite=opts["overwrite"], resume=opts["resume"],
+                                         progress=conv.progress, team=team,
+                                         on_commit=committed.update)
+        team.release_signals()
+        if not team.writer:
+            return {}
+        if team.world_size > 1:  # the other ranks on this host are done: the checks get their threads
+            import torch
 
-        torch.set_num_threads(torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    shown = len(report.plan_notes) if conv.verbose else 6
-    for note in report.plan_notes[:shown]:
-        conv.note(f"note: {note}")
-    if len(report.plan_notes) > shown:
-        conv.note(f"note: ... {len(report.plan_notes) - shown} more in quantization_report.json "
-                  "(-v shows them)")
-    _print_summary(report, target)
-    if "gptq" in report.outputs:
-        from .probe import read_machine, vllm_gptq_unavailable
+            torch.set_num_threads(torch.get_num_threads() * int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        shown = len(report.plan_notes) if conv.verbose else 6
+        for note in report.plan_notes[:shown]:
+            conv.note(f"note: {note}")
+        if len(report.plan_notes) > shown:
+            conv.note(f"note: ... {len(report.plan_notes) - shown} more in quantization_report.json "
+                      "(-v shows them)")
+        _print_summary(report, target)
+        if "gptq" in report.outputs:
+            from .probe import read_machine, vllm_gptq_unavailable
 
-        try:
-            why = vllm_gptq_unavailable(read_machine())
-        except CpuQuantError:  # no /proc/cpuinfo: nothing to say
-            why = None
-        if why:
-            conv.note(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
-                      "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
-                      f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)")
-    fidelity = None
-    scored = _evaluated_output(report.outputs)
-    if not opts["no_eval"] and scored is None:
-        conv.note("note: no safetensors format was written; the fidelity check is skipped")
-    elif not opts["no_eval"]:
-        from .eval.fidelity import EvalSettings, evaluate_artifact
+            try:
+                why = vllm_gptq_unavailable(read_machine())
+            except CpuQuantError:  # no /proc/cpuinfo: nothing to say
+                why = None
+            if why:
+                conv.note(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
+                          "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
+                          f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)")
+        fidelity = None
+        scored = _evaluated_output(report.outputs)
+        if not opts["no_eval"] and scored is None:
+            conv.note("note: no safetensors format was written; the fidelity check is skipped")
+        elif not opts["no_eval"]:
+            from .eval.fidelity import EvalSettings, evaluate_artifact
 
-        conv.note("\nrunning the short fidelity check (--no-eval skips it) ...")
-        try:
-            with meter.phase("eval"):
-                fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
-                                        variants=("weights", "w4a8_emulated"))
-        except KeyboardInterrupt:  # the artifact is complete: nothing to resume
-            from .errors import Interrupted
+            conv.note("\nrunning the short fidelity check (--no-eval skips it) ...")
+            try:
+                with meter.phase("eval"):
+                    fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
+                                            variants=("weights", "w4a8_emulated"))
+            except KeyboardInterrupt:  # the artifact is complete: nothing to resume
+                from .errors import Interrupted
 
-            finish_outputs(report.outputs, source, fallback=asdict(report))
-            raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
-                              f"fidelity score): measure it with `cpu-quant eval {scored} "
-                              f"--reference {source}`") from None
-        fidelity = {k: v.as_dict() for k, v in fid.items()}
-        _print_fidelity(fid)
-    for directory in _safetensors_outputs(report.outputs):
-        update_report(directory, phases=meter.as_dict(), command_line=_command_line(),
-                      phase_seconds=report.phase_seconds,  # with the final write's time
-                      **({"fidelity": fidelity} if fidelity else {}))
-    doc = asdict(report)
-    doc.update(fidelity=fidelity, phases=meter.as_dict(), command_line=_command_line())
-    # the card of an output without a report JSON (a GGUF file) comes from this run's report
-    written = finish_outputs(report.outputs, source, fallback=dict(doc))
-    for path in written:
-        conv.note(f"wrote {path}")
-    doc.update(command="gptq" if kind == "gptq" else "tinygemm", output=str(target),
-               written=[str(p) for p in written])
-    return doc
+                finish_outputs(report.outputs, source, fallback=asdict(report))
+                raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
+                                  f"fidelity score): measure it with `cpu-quant eval {scored} "
+                                  f"--reference {source}`") from None
+            fidelity = {k: v.as_dict() for k, v in fid.items()}
+            _print_fidelity(fid)
+        for directory in _safetensors_outputs(report.outputs):
+            update_report(directory, phases=meter.as_dict(), command_line=_command_line(),
+                          phase_seconds=report.phase_seconds,  # with the final write's time
+                          **({"fidelity": fidelity} if fidelity else {}))
+        doc = asdict(report)
+        doc.update(fidelity=fidelity, phases=meter.as_dict(), command_line=_command_line())
+        # the card of an output without a report JSON (a GGUF file) comes from this run's report
+        written = finish_outputs(report.outputs, source, fallback=dict(doc))
+        for path in written:
+            conv.note(f"wrote {path}")
+        doc.update(command="gptq" if kind == "gptq" else "tinygemm", output=str(target),
+                   written=[str(p) for p in written])
+        return doc
+    except KeyboardInterrupt:
+        if not committed:
+            raise
+        raise _interrupted_after_commit(committed, source, target) from None
+
+
+def _interrupted_after_commit(outputs: dict[str, str], source: Path, target: Path
+                              ) -> CpuQuantError:
+    """Ctrl-C or SIGTERM after DST was put in place: finish its model card and report.html
+    (a moment; further signals wait for it) and say truthfully what DST holds."""
+    from .after_run import finish_outputs, read_report
+    from .errors import Interrupted
+    from .quantize.signals import signals_held
+
+    with signals_held():
+        reports = [r for r in (read_report(Path(d)) for d in outputs.values()) if r is not None]
+        finish_outputs(outputs, source, fallback=reports[0] if reports else None)
+    written = "its model card and report.html" if reports else "its model card"
+    return Interrupted(f"interrupted after {target} was written: it is complete, with {written}, "
+                       "but without a fidelity score (measure it with `cpu-quant eval "
+                       f"{next(iter(outputs.values()))} --reference {source}`)")
 
 
 def _command_line() -> str:

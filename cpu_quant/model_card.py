@@ -21,8 +21,20 @@ SERVE = {
     "cpu_int4": ("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads the "
                  "plugin through its `vllm.general_plugins` entry point, no flag needed)",
                  "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
-    "gguf": ("llama.cpp", "llama-cli -m {file}"),
 }
+NO_REPACK_WHY = ("`--no-repack` turns off llama.cpp's weight repacking: on CPUs with AMX, "
+                 "llama.cpp repacks Q4_0 weights for AMX and then crashes (SIGSEGV) at the "
+                 "first token; without repacking it runs on every CPU.")
+
+
+def serve_command(format_name: str, target: Path) -> tuple[str, str, list[str]]:
+    """How to serve an artifact: the runtime, its command, and lines that explain it."""
+    if format_name == "gguf":
+        from .formats.gguf import llama_cpp_command
+
+        return "llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)), [NO_REPACK_WHY]
+    what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))
+    return what, serve.format(dir=str(target)), []
 
 
 def _front_matter(readme: Path) -> dict[str, str]:
@@ -119,19 +131,90 @@ def _command(report: dict) -> str:
     return cmd if isinstance(cmd, str) else shlex.join(cmd)
 
 
+# Every QuantSettings field that can change a weight -> the card row that states it. A field
+# missing from both tables still gets a row of its own (:func:`_setting_rows`), so a new
+# setting never goes unstated.
+SETTING_ROWS = {
+    "method": "method", "scale_search": "method",
+    "symmetric": "grid", "positive_scales": "grid",
+    "group_size": "group size", "strict_group": "group size",
+    "down_group": "MLP down projections",
+    "quantize_head": "output head", "head_group": "output head",
+    "smooth": "activation smoothing",
+    "calib": "calibration", "samples": "calibration", "seqlen": "calibration",
+    "batch_size": "calibration",  # the order of the Hessians' float32 sums
+    "act_order": "act-order (static groups)",
+    "damp": "damping",
+    "w4a8_hessians": "Hessians",
+}
+# QuantSettings fields that cannot change a weight, and why
+NOT_WEIGHTS = {
+    "offload_activations": "the activations wait on disk between layers: the same artifact",
+}
+
+
+def _used_groups(report: dict, match) -> list[int]:
+    """The groups the run gave the tensors whose names ``match`` accepts (its report)."""
+    return sorted({t["group_size"] for t in report.get("tensors") or []
+                   if isinstance(t, dict) and match(str(t.get("name", "")))})
+
+
+def _groups_text(used: list[int], requested) -> str:
+    if used:
+        return "groups of " + ", ".join("one scale per row" if g == -1 else str(g) for g in used)
+    return f"groups of {requested}" if requested is not None else "as the group size"
+
+
+def _setting_rows(report: dict) -> list[str]:
+    """The card's settings table: every setting that changed the weights, with the values the
+    run used (the groups from its tensors, the smoothing from its record)."""
+    from .quantize.plan import DOWN_LEAF, HEAD_NAME
+
+    s = report.get("settings", {})
+    calib = s.get("calib") or "austen (built-in: the first half of six Austen novels)"
+    calibration = ("none (data-free)" if calib == "none" else
+                   f"{calib}: {s.get('samples')} windows × {s.get('seqlen')} tokens "
+                   f"({report.get('calibration_tokens', 0)} tokens) in batches of "
+                   f"{s.get('batch_size')}")
+    group = s.get("group_size")
+    others = _used_groups(report, lambda n: n != HEAD_NAME and not n.endswith(DOWN_LEAF))
+    head = _groups_text(_used_groups(report, lambda n: n == HEAD_NAME), s.get("head_group"))
+    smoothing = report.get("smoothing")
+    strengths = ", ".join(f"{a} in {n}" for a, n in ((smoothing or {}).get("alpha_counts")
+                                                     or {}).items())
+    rows = {
+        "method": f"{s.get('method')}{'' if s.get('scale_search', True) else ' (no scale search)'}",
+        "grid": ("symmetric" if s.get("symmetric", True)
+                 else "asymmetric (scale and zero per group)")
+        + (", scales >= 0" if s.get("positive_scales") else ""),
+        "group size": f"{group}"
+        + (f" (used: {', '.join(map(str, others))})" if others and others != [group] else "")
+        + (", strict (a module it does not divide is refused)" if s.get("strict_group") else ""),
+        "MLP down projections": _groups_text(
+            _used_groups(report, lambda n: n.endswith(DOWN_LEAF)), s.get("down_group")),
+        "output head": f"quantized, {head}" if report.get("head_quantized") else "bf16",
+        "activation smoothing": (f"folded into the weights before quantization (strength per "
+                                 f"fold: {strengths or 'recorded in the report'})"
+                                 if smoothing else "none"),
+        "calibration": calibration,
+        "act-order (static groups)": f"{s.get('act_order')}",
+        "damping": f"{s.get('damp')}",
+        "Hessians": ("from the int8-per-token activations of vLLM's W4A8 kernel"
+                     if s.get("w4a8_hessians") else "from the bf16 activations"),
+    }
+    for key, value in s.items():  # a setting neither table knows: stated as it is
+        if key not in SETTING_ROWS and key not in NOT_WEIGHTS:
+            rows[key] = json.dumps(value)
+    return [f"| {label} | {value} |" for label, value in rows.items()]
+
+
 def model_card_text(directory: Path, report: dict, source: Path, format_name: str) -> str:
     settings = report.get("settings", {})
     prov = report.get("provenance", {})
     licence, where = source_licence(source)
     base = _base_model(source)
     name = Path(directory).name
-    what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))
-    target = Path(directory)
-    serve_cmd = serve.format(dir=str(target), file=str(target))
-    calib = settings.get("calib") or "austen (built-in: the first half of six Austen novels)"
-    calibration = ("none (data-free)" if calib == "none" else
-                   f"{calib}: {settings.get('samples')} windows × {settings.get('seqlen')} tokens "
-                   f"({report.get('calibration_tokens', 0)} tokens)")
+    what, serve_cmd, serve_notes = serve_command(format_name, Path(directory))
     lines = [
         "---",
         f"license: {licence or 'unknown'}",
@@ -154,15 +237,7 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
            f"({report['converted'].get('source_format')})."] if report.get("converted") else []),
         "",
         "| setting | value |", "|---|---|",
-        f"| method | {settings.get('method')}"
-        f"{'' if settings.get('scale_search', True) else ' (no scale search)'} |",
-        "| grid | " + ("symmetric" if settings.get("symmetric", True)
-                      else "asymmetric (scale and zero per group)") + " |",
-        f"| group size | {settings.get('group_size')} |",
-        f"| output head | {'quantized' if report.get('head_quantized') else 'bf16'} |",
-        f"| calibration | {calibration} |",
-        f"| act-order (static groups) | {settings.get('act_order')} |",
-        f"| damping | {settings.get('damp')} |",
+        *_setting_rows(report),
         f"| source | {_source_text(prov.get('source') or str(source))} |",
         f"| torch / transformers | {prov.get('torch')} / {prov.get('transformers')} |",
         "",
@@ -183,6 +258,7 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
         "```bash",
         serve_cmd,
         "```",
+        *(["", *serve_notes] if serve_notes else []),
         "",
         "`quantization_report.json` beside this card holds every tensor's weighted SNR, the "
         "timings and the provenance; `cpu-quant report DIR` renders it as `report.html`.",

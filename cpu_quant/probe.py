@@ -136,6 +136,10 @@ def vllm_installed() -> bool:
 def read_machine(cpuinfo: str | Path = "/proc/cpuinfo",
                  meminfo: str | Path | None = "/proc/meminfo") -> CpuFacts:
     """Facts about this machine (or about the recorded files given)."""
+    path = Path(cpuinfo)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        # a FIFO or a device: the read would block, or never end
+        raise CpuQuantError(f"cannot read {cpuinfo}: not a regular file")
     try:
         facts = parse_cpuinfo(Path(cpuinfo).read_text())
     except OSError as exc:

@@ -14,13 +14,17 @@ number of rows ``M``:
   function (:func:`_blocks_to_rows`) that reads the packed bytes once and writes the bf16 tile
   once, then multiplied in the orientation oneDNN runs fastest (weights ``[N, K]``, as
   ``F.linear``). Where it cannot compile (no C++ compiler), or with
-  ``CPU_QUANT_INT4_FUSED_DEQUANTIZE=0``, the eager path below runs instead; both give the same
-  bits. ``float32`` (CPUs without native bf16, where a float32 GEMM is several times faster
-  than a bf16 one), and the eager path: tiles of about a million weights dequantized into a
-  float32 buffer reused by every chunk and every call (``formats/cpu_int4.dequantize_kernel_t_``:
-  the kernel's float32 arithmetic, read straight from the kernel layout), multiplied as they
-  are (``float32``) or rounded to bf16 first. No second copy of the weights is ever kept: the
-  extra memory is one tile (a few MiB) and one tile's output.
+  ``CPU_QUANT_INT4_FUSED_DEQUANTIZE=0``, the eager path below fills the same bf16 tiles
+  instead. Both give the same bits at any thread count: the two dequantizers give the same bf16
+  tile (elementwise arithmetic, no reduction), and the tiles are the same, so the GEMM calls
+  are the same calls. (A GEMM's own bits may change with the thread count, which changes how
+  oneDNN splits its work; so a result is reproducible for a given thread count.)
+  ``float32`` (CPUs without native bf16, where a float32 GEMM is several times faster than a
+  bf16 one): tiles of about a million weights dequantized into a float32 buffer reused by every
+  chunk and every call (``formats/cpu_int4.dequantize_kernel_t_``: the kernel's float32
+  arithmetic, read straight from the kernel layout) and multiplied as they are; the eager bf16
+  tile is filled from such pieces, each rounded to bf16. No second copy of the weights is ever
+  kept: the extra memory is one tile (a few MiB) and one tile's output.
 
 Both settings come from this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` (the measurements
 behind each row are there). ``CPU_QUANT_INT4_KERNEL_MAX_ROWS`` (e.g. 0: every batch through
@@ -168,26 +172,40 @@ def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch
     xg = x.to(gemm)
     out = torch.empty(m, n, dtype=x.dtype)
     layout = kernel_layout()
-    # tiles of the compiled dequantizer's size, unless it is off or failed to compile here
-    fused = (FUSED_DEQUANTIZE and gemm == torch.bfloat16
-             and _fused.get(layout.full_block, False) is not None)
-    for start, stop in dequantize_chunks(packed, FUSED_CHUNK_WEIGHTS if fused else CHUNK_WEIGHTS):
+    fused = FUSED_DEQUANTIZE and gemm == torch.bfloat16
+    # bf16: the compiled dequantizer's tiles, whichever dequantizer fills them (the same GEMM
+    # calls, so the same bits); float32: the float32 buffer's tiles
+    chunk = FUSED_CHUNK_WEIGHTS if gemm == torch.bfloat16 else CHUNK_WEIGHTS
+    for start, stop in dequantize_chunks(packed, chunk):
         rows = stop - start
         weight = None
         if fused and rows % layout.block_n == 0:  # a partial last block: the eager path
             weight = _fused_rows(layout, packed, scale_zeros, start, stop)  # [rows, K] bf16
             PATH_CALLS["fused_tiles"] += weight is not None
-        if weight is None:
-            w_t = dequantize_kernel_t_(packed, scale_zeros, group, start, stop,
-                                       _buffer("w32", k * rows, torch.float32).view(k, rows),
-                                       layout)
-            if gemm == torch.float32:
-                weight = w_t.t()  # [rows, K] view of the [K, rows] tile
-            else:  # bf16 tile as [rows, K], the orientation of F.linear's weight
-                weight = _buffer("w16", rows * k, gemm).view(rows, k).copy_(w_t.t())
+        if weight is None and gemm == torch.float32:
+            weight = dequantize_kernel_t_(packed, scale_zeros, group, start, stop,
+                                          _buffer("w32", k * rows, torch.float32).view(k, rows),
+                                          layout).t()  # [rows, K] view of the [K, rows] tile
+        elif weight is None:
+            weight = _eager_bf16_rows(packed, scale_zeros, group, start, stop, layout)
         tile = torch.mm(xg, weight.t(), out=_buffer("out", m * rows, gemm).view(m, rows))
         out[:, start:stop].copy_(tile)
     return out
+
+
+def _eager_bf16_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, group: int, start: int,
+                     stop: int, layout) -> torch.Tensor:
+    """Rows ``start:stop`` in bf16 ``[rows, K]`` (the orientation of F.linear's weight), in a
+    buffer reused by every call: dequantized in float32 pieces of the float32 buffer's size,
+    each rounded to bf16 into its rows (what :func:`_blocks_to_rows` gives, bit for bit)."""
+    k, rows = packed.shape[1] * 2, stop - start
+    weight = _buffer("w16", rows * k, torch.bfloat16).view(rows, k)
+    for a, b in dequantize_chunks(packed[start:stop]):
+        w_t = dequantize_kernel_t_(packed, scale_zeros, group, start + a, start + b,
+                                   _buffer("w32", k * (b - a), torch.float32).view(k, b - a),
+                                   layout)
+        weight[a:b].copy_(w_t.t())
+    return weight
 
 
 @torch.library.custom_op("cpu_quant::int4pack_linear", mutates_args=())

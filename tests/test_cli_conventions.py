@@ -169,3 +169,59 @@ def test_a_down_group_the_formats_cannot_store_is_one_line_before_any_work(tiny_
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--down-group 48 is not stored by" in lines[0], res.stderr
     assert not dst.exists()
+
+
+def _default_build_report() -> dict:
+    """The report of the default build (``cpu-quant gptq``) as the pipeline records it: the
+    settings as given (head and down groups None: the plan's defaults), the groups each tensor
+    got, and the smoothing record."""
+    from dataclasses import asdict
+
+    from cpu_quant.quantize.settings import QuantSettings
+
+    tensors = [{"name": f"model.layers.0.{leaf}", "group_size": g, "shape": [576, 576],
+                "weighted_snr_db": 20.0} for leaf, g in (("self_attn.q_proj", 128),
+                                                          ("mlp.up_proj", 128),
+                                                          ("mlp.down_proj", 64))]
+    tensors.append({"name": "lm_head", "group_size": 32, "shape": [49152, 576],
+                    "weighted_snr_db": 20.0})
+    return {"settings": asdict(QuantSettings(smooth=None)), "tensors": tensors,
+            "head_quantized": True, "calibration_tokens": 65536, "bits_per_weight": 4.2,
+            "smoothing": {"alpha_counts": {"0.5": 20, "off": 10}}}
+
+
+def test_model_card_states_every_setting_that_changed_the_weights(tmp_path):
+    """The default build's card states its activation smoothing, its head in groups of 32 and
+    its down projections in groups of 64 (settings it leaves at None: the plan's defaults),
+    and every weight-affecting field of QuantSettings has a row."""
+    from dataclasses import fields
+
+    from cpu_quant.model_card import NOT_WEIGHTS, SETTING_ROWS, model_card_text
+    from cpu_quant.quantize.settings import QuantSettings
+
+    card = model_card_text(tmp_path / "out", _default_build_report(), tmp_path, "gptq")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in card.splitlines()
+            if line.startswith("| ")}
+    assert rows["activation smoothing"].startswith("| activation smoothing | folded")
+    assert "0.5 in 20" in rows["activation smoothing"]
+    assert rows["output head"] == "| output head | quantized, groups of 32 |"
+    assert rows["MLP down projections"] == "| MLP down projections | groups of 64 |"
+    assert rows["group size"] == "| group size | 128 |"
+    names = {f.name for f in fields(QuantSettings)}
+    assert set(SETTING_ROWS) | set(NOT_WEIGHTS) <= names, "a table names a field that is gone"
+    for name in names - set(NOT_WEIGHTS):
+        assert SETTING_ROWS.get(name, name) in rows, f"the card does not state {name}"
+
+
+def test_model_card_states_a_setting_it_does_not_know(tmp_path):
+    """A setting added to the run's record without a row of its own is stated as it is,
+    never left out; one that cannot change a weight is not."""
+    from cpu_quant.model_card import model_card_text
+
+    report = _default_build_report()
+    report["settings"]["rotate"] = "hadamard"
+    report["smoothing"] = None
+    card = model_card_text(tmp_path / "out", report, tmp_path, "gptq")
+    assert '| rotate | "hadamard" |' in card
+    assert "| activation smoothing | none |" in card
+    assert "offload_activations" not in card

@@ -246,6 +246,73 @@ def test_a_stopped_rank_stops_the_run_after_the_timeout(tiny, calib_text, tmp_pa
     assert not dst.exists() and not (tmp_path / ".out.partial" / "config.json").exists()
 
 
+def test_a_rank_whose_launcher_is_gone_ends_itself():
+    """``die_with_launcher`` in a process started by ``--nproc``'s launcher: alive while its
+    launcher is its parent (and the variable does not reach its own children); SIGKILLed at
+    once when the launcher ended before the death signal was asked for."""
+    import signal
+
+    code = ("import os; from cpu_quant.launcher import die_with_launcher; die_with_launcher(); "
+            "print(os.environ.get('CPU_QUANT_LAUNCHER_PID'))")
+    alive = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env=_env(CPU_QUANT_LAUNCHER_PID=str(os.getpid())))
+    assert alive.returncode == 0 and alive.stdout.strip() == "None", alive.stderr[-2000:]
+    orphan = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env=_env(CPU_QUANT_LAUNCHER_PID="1"))
+    assert orphan.returncode == -signal.SIGKILL, (orphan.returncode, orphan.stderr[-2000:])
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.update(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.e2e
+def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tmp_path):
+    """SIGKILL to the ``--nproc 2`` launcher (which then cannot stop its ranks; they run in
+    sessions of their own) once the run is writing: both ranks end within seconds, and DST
+    never appears (an orphaned rank would finish the run and write it after the failure)."""
+    import signal
+    import time
+
+    dst = tmp_path / "out"
+    launcher = subprocess.Popen([*CLI, "gptq", str(tiny), str(dst), "--calib", str(calib_text),
+                                 *TINY_CALIB, "--nproc", "2"], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ".out.partial").is_dir():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [r for r in ranks if _alive(r)]
+        for r in left:  # this test's own processes: never leave them behind
+            os.kill(r, signal.SIGKILL)
+        assert not left, f"ranks {left} outlived their launcher"
+        time.sleep(2)
+        assert not dst.exists()
+        assert not (tmp_path / ".out.partial" / "config.json").exists()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def _by_hand(args0: list[str], args1: list[str], cwd0: Path, cwd1: Path
              ) -> list[subprocess.CompletedProcess]:
     """Two ranks started by hand (torch's env:// rendezvous, rank 0 hosting the store)."""

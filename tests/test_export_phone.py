@@ -354,6 +354,34 @@ def test_floors_are_fixed_per_scheme_and_name_the_faulty_line() -> None:
         lowering_fault.message()
 
 
+def test_the_report_states_every_floor_beside_its_measured_value() -> None:
+    """export_report.json's ``verification.tolerance``: each fixed floor of the scheme (8da4w
+    at x1.114 of float, as a 128-token export measured, is within its x1.20) with the value it
+    judged; a program below one is marked there and is not passed."""
+    from cpu_quant.export.verify import LOWERING_FLOORS, Comparison, VerifyResult, check
+
+    def result(pte_float: Comparison, ppl: float) -> VerifyResult:
+        good = Comparison(30.0, 0.95, 0.01)
+        return VerifyResult(4, 500, good, pte_float, good,
+                            {"pte": ppl, "quantized": ppl, "float": 10.0}, [], 40.0)
+
+    ok = result(Comparison(12.0, 0.7, 0.2), 11.14)
+    check("8da4w", ok)
+    rows = {(r["against"], r["metric"]): r for r in ok.to_dict()["tolerance"]}
+    ppl = rows[("float model", "perplexity / float")]
+    assert ppl == {"against": "float model", "metric": "perplexity / float", "measured": 1.114,
+                   "must_be": f"<= {FLOAT_FLOORS['8da4w'].max_ppl_ratio:g}", "met": True}
+    assert rows[("float model", "logit SNR dB")]["must_be"] == \
+        f">= {FLOAT_FLOORS['8da4w'].min_snr_db:g}"
+    assert rows[("its quantized eager graph", "decode logit SNR dB")]["must_be"] == \
+        f">= {LOWERING_FLOORS['8da4w'].min_snr_db:g}"
+    assert len(rows) == 6 and all(r["met"] for r in rows.values()) and ok.passed
+    bad = result(Comparison(12.0, 0.7, 0.2), 13.0)
+    check("8da4w", bad)
+    missed = [r for r in bad.to_dict()["tolerance"] if not r["met"]]
+    assert [r["metric"] for r in missed] == ["perplexity / float"] and not bad.passed
+
+
 # -- the static graph against transformers ---------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -179,6 +179,75 @@ def test_a_stop_before_the_first_layer_keeps_nothing(tiny_llama, tmp_path):
     assert not dst.exists() and not (tmp_path / ".out.partial").exists()
 
 
+TINY_RTN = ["--method", "rtn", "--calib", "none", "--group", "32", "--no-eval"]
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_just_after_the_commit_finishes_the_card_and_says_dst_is_complete(
+        tiny_llama, tmp_path, sig):
+    """A stop that arrives just after DST was renamed into place (while the commit's signals
+    are deferred) does not claim that nothing was written: the model card and report.html
+    are finished, and the one line says DST is complete; exit status 130."""
+    dst = tmp_path / "out"
+    proc = subprocess.run([*CLI, "gptq", str(tiny_llama), str(dst), *TINY_RTN],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, CPU_QUANT_KILL_AT=f"committed:1:{sig}"))
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "interrupted:"))]
+    assert len(lines) == 1 and f"after {dst} was written: it is complete" in lines[0], lines
+    assert "not written" not in proc.stderr
+    assert (dst / "config.json").is_file() and (dst / "README.md").is_file()
+    assert (dst / "report.html").is_file()
+    assert "| method | rtn |" in (dst / "README.md").read_text()
+
+
+def test_a_second_sigint_still_exits_with_status_130(tiny_llama, tmp_path):
+    """Ctrl-C pressed again and again while a stopped run cleans up and exits: the status is
+    130 every time, never a death by SIGINT, and no traceback."""
+    dst, stamp = tmp_path / "out", tmp_path / "stamp"
+    proc = subprocess.Popen([*CLI, "gptq", str(tiny_llama), str(dst), "--group", "32",
+                             "--samples", "2", "--seqlen", "32", "--no-eval"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, CPU_QUANT_KILL_AT="layer-start:1:SIGINT",
+                                     CPU_QUANT_KILL_STAMP=str(stamp)))
+    deadline = time.monotonic() + 600
+    while not stamp.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while proc.poll() is None and time.monotonic() < deadline:  # the first SIGINT was sent
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+
+
+def test_stdout_on_a_full_device_is_one_error_line(tmp_path):
+    """`cpu-quant ... > /dev/full`: one line on stderr and a non-zero exit, no traceback."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    for args in (["probe"], ["probe", "--json"], ["--help"]):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([*CLI, *args], stdout=full, stderr=subprocess.PIPE, text=True,
+                                  timeout=300)
+        assert proc.returncode != 0, args
+        assert proc.stderr.strip().splitlines() == [
+            "error: cannot write to standard output: No space left on device"], proc.stderr
+
+
+def test_a_deleted_working_directory_is_one_error_line(tmp_path):
+    """Run from a directory that was deleted (torch cannot even load there): one line."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = 'cd "$1" && rmdir "$1" && shift && exec "$@"'
+    proc = subprocess.run(["sh", "-c", script, "sh", str(gone), *CLI, "gptq", *TINY_RTN],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: the working directory no longer exists (it was deleted): run cpu-quant from an "
+        "existing directory"], proc.stderr
+
+
 def test_a_stale_lock_is_taken_over(hostile_bases, tmp_path):
     """A lock whose owner is gone (a killed run) does not block the next run (a live owner's
     lock does: the hostile-input corpus)."""

@@ -136,29 +136,63 @@ def test_fused_dequantize_reads_both_block_arrangements(arrangement: str):
     assert torch.equal(got, want)
 
 
+FUSED_THREADS = (1, 2, 3)  # one, this machine's two cores, and more threads than cores
+
+
 def test_fused_prefill_equals_the_eager_prefill_bit_for_bit(monkeypatch):
     """The default bf16 prefill dequantizes through a compiled one-pass function; its output
-    equals the eager path's bit for bit (several chunks, and a last chunk with a partial block,
-    which takes the eager path)."""
+    equals the eager path's bit for bit at every thread count (each path run at the same one):
+    several chunks (more than one fused tile), and a last chunk with a partial block, which
+    takes the eager path."""
     from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.quantize.schedule import torch_threads
 
     monkeypatch.setattr(rt, "PREFILL_GEMM", "bfloat16")
     layout = tp.kernel_layout()
     k, group = 1024, 128
     gen = torch.Generator().manual_seed(9)
-    for n in (3 * 1024, 1024 + layout.block_n + 16):
+    for n in (5 * 1024, 1024 + layout.block_n + 16):
         codes, scale, zero = _random_module(n, k, group, seed=n)
         packed = tp.torch_pack(codes)
         storage, sview, zview = tp.scale_zero_storage(n, k, group)
         sview.copy_(scale)
         zview.copy_(zero)
         x = torch.randn(rt.KERNEL_MAX_ROWS + 5, k, generator=gen).to(torch.bfloat16)
-        monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", True)
-        fused = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
-        assert rt._fused.get(layout.full_block) is not None, "the fused dequantizer did not compile"
-        monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", False)
-        eager = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
-        assert torch.equal(fused, eager)
+        for threads in FUSED_THREADS:
+            with torch_threads(threads):
+                monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", True)
+                fused = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
+                assert rt._fused.get(layout.full_block) is not None, \
+                    "the fused dequantizer did not compile"
+                monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", False)
+                eager = torch.ops.cpu_quant.int4pack_linear(x, packed, storage, group)
+            assert torch.equal(fused, eager), f"{n} rows, {threads} threads"
+
+
+def test_both_dequantizers_give_the_same_bf16_tile_at_any_thread_count(monkeypatch):
+    """What the op's bit-identity rests on, independently of any GEMM: the compiled
+    dequantizer's bf16 tile equals the eager one's, and neither changes with the thread count
+    (elementwise arithmetic, no reduction)."""
+    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.quantize.schedule import torch_threads
+
+    monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", True)
+    layout = tp.kernel_layout()
+    n, k, group = 4 * layout.block_n * 8, 1024, 64
+    codes, scale, zero = _random_module(n, k, group, seed=5)
+    packed = tp.torch_pack(codes)
+    storage, sview, zview = tp.scale_zero_storage(n, k, group)
+    sview.copy_(scale)
+    zview.copy_(zero)
+    tiles = []
+    for threads in FUSED_THREADS:
+        with torch_threads(threads):
+            fused = rt._fused_rows(layout, packed, storage, 0, n)
+            assert fused is not None, "the fused dequantizer did not compile"
+            tiles += [fused.clone(),
+                      rt._eager_bf16_rows(packed, storage, group, 0, n, layout).clone()]
+    assert all(torch.equal(tiles[0], t) for t in tiles[1:])
+    assert torch.equal(tiles[0], tp.dequantize_kernel_rows(packed, storage, group, 0, n, layout))
 
 
 @pytest.mark.parametrize("name,bad,good,reader,parsed", [

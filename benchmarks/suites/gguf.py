@@ -44,8 +44,9 @@ arm records its tensor types and bits per weight (all tensors, and the block lin
 llama.cpp's tools (``llama-imatrix``, ``llama-quantize``) come from
 ``llama_cpp_env.install_tools()``, built from the same vendored source as the Python peer; on
 an AMX CPU every model that llama.cpp *runs* is opened with weight repacking off
-(``llama_cpp_open``, and ``--no-repack`` for ``llama-imatrix``; upstream llama.cpp #20824),
-recorded as ``extra_bufts_off``.
+(``llama_cpp_open``, recorded as ``extra_bufts_off``; upstream llama.cpp #20824), and every
+llama.cpp tool that runs a model gets its argv from ``cpu_quant.formats.gguf.llama_cpp_command``
+(``--no-repack``, on every CPU).
 
 The evaluation is deterministic, so the fidelity spread over passes is expected to be 0.
 ``--artifact cpu-quant-q4_0-g32=DIR`` uses a ``cpu-quant gptq --format gguf`` output made
@@ -61,6 +62,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cpu_quant.formats.gguf import llama_cpp_command
 
 from ..harness import (
     CPU_SECONDS,
@@ -102,8 +105,6 @@ LLAMA_ARMS = (("Q4_0", "llama.cpp-q4_0", False), ("Q4_0", "llama.cpp-q4_0-imatri
 EMBEDDING_VARIANTS = (("F16", f"{OURS}-embd-f16"),)
 PARTS = ("fidelity", "decode", "formats")
 NOTE_ENV = "CPU_QUANT_BENCH_NOTE"  # a sentence about the run's conditions, copied to its notes
-# llama-imatrix runs the model: weight repacking off on AMX (upstream llama.cpp #20824)
-NO_REPACK = ("--no-repack",)
 
 FIDELITY_METRICS = [
     Metric("kl_mean", "nats", "lower"),
@@ -387,12 +388,11 @@ def _fidelity_suite(c: _Context, tools_needed: bool = True) -> Suite | None:
         q8 = llama_cpp_env.gguf_files(env, src, inputs, ["q8_0"])["q8_0"]
         # the tool saves every 10 chunks: only a finished file may carry the final name
         partial = imatrix.with_name(imatrix.stem + ".partial.gguf")
-        _run_step("imatrix", [str(tools.path / "bin" / "llama-imatrix"), "-m", str(q8),
-                              "-f", str(calib_txt), "-o", str(partial),
-                              "-c", str(calib["seqlen"]), "-b", str(calib["seqlen"]),
-                              "--chunks", str(calib["samples"]),
-                              "-t", str(len(os.sched_getaffinity(0))), "--no-ppl", *NO_REPACK],
-                  inputs, steps)
+        _run_step("imatrix", llama_cpp_command(
+            tools.path / "bin" / "llama-imatrix", q8, "-f", calib_txt, "-o", partial,
+            "-c", str(calib["seqlen"]), "-b", str(calib["seqlen"]),
+            "--chunks", str(calib["samples"]), "-t", str(len(os.sched_getaffinity(0))),
+            "--no-ppl"), inputs, steps)
         os.replace(partial, imatrix)
 
     def arm(name: str, settings: dict, model_of, reference: Path = ref, build=None,

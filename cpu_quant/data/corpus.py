@@ -101,6 +101,8 @@ def load_texts(calib: str | Path | None, split: str = "calibration") -> list[str
         if not files:
             raise CpuQuantError(f"calibration directory {path} holds no .txt or .jsonl files")
         return [t for f in files for t in _read_user_file(f)]
+    if not path.is_file():  # a FIFO or a device would block the read, or never end
+        raise CpuQuantError(f"calibration path {path} is not a regular file or a directory")
     return _read_user_file(path)
 
 

@@ -18,7 +18,9 @@ Top-level keys (JSON object, written with sorted keys):
   its own calibration, recorded under ``weights``);
 * ``weights``, ``stored_weights``: where the linears' weights came from (the GPTQ codes, the
   weighted 8-bit search, a group rule's fallback) and what the program stores;
-* ``verification``: ``verify.VerifyResult.to_dict()``;
+* ``verification``: ``verify.VerifyResult.to_dict()``, with ``tolerance``: each fixed floor the
+  program had to meet (against the float model, against its own quantized eager graph), the
+  value it measured and whether it met it. A program that misses one is never written;
 * ``timings_s``: seconds per stage; ``provenance``: source path and hash, package versions, git SHA,
   threads, time.
 

@@ -145,10 +145,35 @@ class VerifyResult:
     def perplexity_ratio(self) -> float:
         return self.perplexity["pte"] / self.perplexity["float"]
 
+    def tolerance(self) -> list[dict]:
+        """Every fixed floor the verification applied (:func:`check`) beside the value it
+        judged and whether that value met it: what a reader of ``export_report.json`` checks."""
+        rows = []
+        for line, judged in (("vs_float", self.pte_vs_float), ("vs_quantized", self.pte_vs_quantized)):
+            floors = self.floors.get(line)
+            if not floors:
+                continue
+            metrics = [("logit SNR dB", judged.snr_db, ">=", floors["min_snr_db"]),
+                       ("top-1 agreement", judged.top1_agreement, ">=", floors["min_top1"])]
+            if floors.get("max_ppl_ratio") is not None:
+                metrics.append(("perplexity / float", self.perplexity_ratio, "<=",
+                                floors["max_ppl_ratio"]))
+            if line == "vs_quantized":
+                metrics.append(("decode logit SNR dB", self.decode_snr_db_vs_quantized, ">=",
+                                floors["min_snr_db"]))
+            for metric, value, op, floor in metrics:
+                met = value >= floor if op == ">=" else value <= floor
+                rows.append({"against": "float model" if line == "vs_float"
+                             else "its quantized eager graph", "metric": metric,
+                             "measured": round(value, 4), "must_be": f"{op} {floor:g}",
+                             "met": bool(met)})
+        return rows
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["passed"] = self.passed
         out["perplexity_ratio"] = round(self.perplexity_ratio, 4)
+        out["tolerance"] = self.tolerance()
         return out
 
     def message(self) -> str:

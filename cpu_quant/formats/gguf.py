@@ -1,5 +1,9 @@
 """A llama.cpp GGUF file with Q4_0 blocks: the symmetric grid of ``gptq``, read by ``llama-cli -m``.
 
+Every llama.cpp command that runs the file, whether cpu-quant runs it or prints it for a user,
+comes from :func:`llama_cpp_command`, which turns llama.cpp's weight repacking off
+(:data:`LLAMA_CPP_NO_REPACK`).
+
 One file ``<model>-Q4_0.gguf`` (GGUF v3, little-endian, 32-byte tensor alignment, written with
 the ``gguf`` package's ``GGUFWriter``). Per quantized linear ``<m>`` with out-features ``N``,
 in-features ``K`` (a multiple of 32) and our group ``g`` (a multiple of 32, or ``K``):
@@ -75,6 +79,21 @@ from ..io.safetensors_writer import write_safetensors
 from ..quantize.grid import GroupQuant
 from ..verify.findings import Finding, error, info
 from .base import ArtifactInfo, Format, Limits, Sink
+
+# On a CPU with AMX, llama.cpp (the vendored 0.3.36 build and upstream alike; llama.cpp #20824,
+# "segfault in ggml_backend_amx_mul_mat") repacks Q4_0 weights into its AMX buffer type and then
+# crashes with SIGSEGV in the first decode (llama-perplexity --kl-divergence, llama-imatrix,
+# llama-cli). With repacking off the weights stay in the file's layout and run everywhere.
+LLAMA_CPP_NO_REPACK = "--no-repack"
+
+
+def llama_cpp_command(tool: str | Path, model: str | Path, *args: str | Path) -> list[str]:
+    """The argv of a llama.cpp tool that runs ``model`` (``llama-cli``, ``llama-server``,
+    ``llama-perplexity``, ``llama-imatrix``: the tools parsing llama.cpp's common options):
+    ``tool -m MODEL --no-repack ARGS``. ``llama-quantize`` only rewrites a file, never runs
+    it, and takes no such option."""
+    return [str(tool), "-m", str(model), LLAMA_CPP_NO_REPACK, *map(str, args)]
+
 
 BLOCK = 32  # Q4_0 elements per block
 BLOCK_BYTES = 18  # fp16 d + 16 bytes of nibbles

@@ -285,9 +285,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                         formats: list[Format] | None = None, *, overwrite: bool = False,
                         resume: bool = False, progress: bool = True,
                         on_layer: Callable[[int, int], None] | None = None,
-                        team: Team | None = None) -> QuantReport:
+                        team: Team | None = None,
+                        on_commit: Callable[[dict[str, str]], None] | None = None
+                        ) -> QuantReport:
     """Quantize ``src`` into ``dst`` in every one of ``formats`` (default: GPTQ); ``team``:
-    this process's rank in a distributed run (``distributed.joined``), by default alone."""
+    this process's rank in a distributed run (``distributed.joined``), by default alone.
+    ``on_commit`` gets the outputs (format -> path) the moment DST is in place: from then on
+    an interrupt leaves a complete artifact, and its caller must say so."""
     from tqdm import tqdm
 
     team = team or Team()
@@ -481,7 +485,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             final = _write_artifact(out, stop, sinks, ArtifactInfo(
                 src, ckpt.config, settings.group_size, head_plan.quantize, dynamic,
                 settings.symmetric, _quantization_extra(settings, report.provenance["cpu_quant"]),
-                asdict(report)), ckpt.factors if settings.smooth else None)
+                asdict(report)), ckpt.factors if settings.smooth else None, on_commit)
             # after the artifact's own report was written: the CLI adds it there afterwards
             report.phase_seconds["final_write"] = round(time.perf_counter() - t_final, 3)
     ckpt.close()
@@ -493,7 +497,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 
 
 def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: ArtifactInfo,
-                    factors: dict[str, torch.Tensor] | None = None) -> Path:
+                    factors: dict[str, torch.Tensor] | None = None,
+                    on_commit: Callable[[dict[str, str]], None] | None = None) -> Path:
     """The computed artifact: the resume files removed, every format finished, the staging
     directory renamed into place."""
     stop.defer()  # the artifact is computed: writing it takes seconds, finish it
@@ -506,7 +511,12 @@ def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: 
             smooth_fold.save_factors(directory / smooth_fold.FACTORS_FILE, factors)
     sinks.finish(info)
     kill_point("commit")
-    return out.commit()
+    final = out.commit()
+    if on_commit is not None:  # still deferred: the caller learns of the commit before any stop
+        on_commit({name: str(final / d.relative_to(out.staging))
+                   for name, d in sinks.directories.items()})
+    kill_point("committed")
+    return final
 
 
 def update_report(dst: Path, **fields) -> dict:

@@ -6,7 +6,10 @@ point on disk only ever advances by whole layers (the state file is written afte
 shards and activations, each by rename), so stopping mid-layer loses at most that layer's
 work, like a ``kill -9``, and the message says which layers are saved. While the finished
 artifact is written (seconds) a signal is only noted, so a complete artifact is not thrown
-away. A second Ctrl-C falls back to Python's default (``KeyboardInterrupt``).
+away; the noted signal is raised (``KeyboardInterrupt``) once the block ends, for the caller,
+who knows the artifact is in place, to say so. A second Ctrl-C falls back to Python's default
+(``KeyboardInterrupt``). :func:`signals_held` notes them only, for the moment it takes to
+finish a model card and report.
 """
 
 from __future__ import annotations
@@ -49,8 +52,27 @@ class StopRequest:
         """From now on a signal only sets ``requested`` (the finished artifact is being written)."""
         self._deferred = True
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self.requested and self._deferred and exc_type is None:
+            raise KeyboardInterrupt  # noted while the artifact was written: stop now
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """Within the block SIGINT and SIGTERM are only noted (in the list yielded), so that what
+    it writes (a model card, a report: a moment) is finished. Only in the main thread."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
@@ -93,10 +115,11 @@ def kill_point(event: str) -> None:
     to the resume point), ``resume-activations`` (inside the in-memory resume point's write:
     activations renamed into place, state not yet written), ``resume-state`` (state written,
     previous activations not yet deleted), ``head`` (before the output head's quantization),
-    ``final-write`` (before the artifact's files are written) and ``commit`` (before the
-    staging directory is renamed to the output). With ``CPU_QUANT_KILL_STAMP=FILE`` the hook
-    writes the time it sends the signal to FILE, so a benchmark can time the stop. In a
-    distributed run ``CPU_QUANT_KILL_RANK=R`` limits it to rank R (torch's ``RANK``)."""
+    ``final-write`` (before the artifact's files are written), ``commit`` (before the
+    staging directory is renamed to the output) and ``committed`` (just after). With
+    ``CPU_QUANT_KILL_STAMP=FILE`` the hook writes the time it sends the signal to FILE, so a
+    benchmark can time the stop. In a distributed run ``CPU_QUANT_KILL_RANK=R`` limits it to
+    rank R (torch's ``RANK``)."""
     spec = os.environ.get(KILL_AT_ENV)
     if not spec:
         return

@@ -345,3 +345,81 @@ def test_one_run_writes_the_same_codes_to_every_format(demo_formats: Path) -> No
     for n in rest:
         with safe_open(str(b.files[n]), "pt") as f:
             assert torch.equal(a.tensor(n), f.get_tensor(n)), n
+
+
+# -- llama.cpp's commands: weight repacking off --------------------------------------------------
+LLAMA_MODEL_TOOLS = r"llama-(?:cli|server|perplexity|imatrix|bench|run|simple|completion)"
+
+
+def _docs_commands(text: str) -> list[str]:
+    """The llama.cpp commands that run a model (``-m``) in a Markdown text's code."""
+    import re
+
+    code = re.findall(r"```[^\n]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text)
+    return [line.strip() for block in code for line in block.splitlines()
+            if re.match(LLAMA_MODEL_TOOLS + r"\b.*\s-m\s", line.strip())]
+
+
+def test_every_llama_cpp_command_turns_weight_repacking_off(tmp_path: Path) -> None:
+    """The argv builder always carries --no-repack (llama.cpp crashes on AMX CPUs without it);
+    so do the model card's command and every llama.cpp command in the README and docs; and
+    every path to a llama.cpp tool that runs a model, in cpu_quant, benchmarks and tests, is
+    handed straight to the builder."""
+    import ast
+    import re
+
+    from cpu_quant.model_card import model_card_text
+    from tests.conftest import REPO
+
+    for tool in ("llama-cli", "llama-server", "llama-perplexity", "llama-imatrix"):
+        argv = G.llama_cpp_command(tool, tmp_path / "m.gguf", "--kl-divergence")
+        assert argv[:4] == [tool, "-m", str(tmp_path / "m.gguf"), "--no-repack"], argv
+    card = model_card_text(tmp_path / "m-Q4_0.gguf", {"settings": {}}, tmp_path, "gguf")
+    assert f"llama-cli -m {tmp_path / 'm-Q4_0.gguf'} --no-repack" in card
+    assert "crashes (SIGSEGV)" in card  # and says why
+
+    shown = []
+    for md in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for command in _docs_commands(md.read_text()):
+            shown.append(command)
+            assert "--no-repack" in command, f"{md.name}: {command}"
+    assert shown, "no llama.cpp command found in the docs: the scan is broken"
+
+    unbuilt = []
+    for path in [*(REPO / "cpu_quant").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"),
+                 *(REPO / "tests").rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        built = {id(call.args[0]) for call in ast.walk(tree) if isinstance(call, ast.Call)
+                 and getattr(call.func, "id", getattr(call.func, "attr", "")) == "llama_cpp_command"
+                 and call.args}
+        for node in ast.walk(tree):  # a tool's path: ... / "llama-perplexity"
+            if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+                    and isinstance(node.right, ast.Constant) and isinstance(node.right.value, str)
+                    and re.fullmatch(LLAMA_MODEL_TOOLS, node.right.value)
+                    and id(node) not in built):
+                unbuilt.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not unbuilt, f"llama.cpp tools run without llama_cpp_command: {unbuilt}"
+
+
+@pytest.mark.e2e
+def test_the_llama_cpp_tools_accept_the_built_argv(hostile_bases, tmp_path: Path) -> None:
+    """The real llama-perplexity and llama-imatrix (the peer build,
+    ``python -m benchmarks.peers.llama_cpp_env --tools``) run the tiny model's GGUF with the
+    argv :func:`llama_cpp_command` builds (an unknown option would end them with an error
+    before any work)."""
+    from benchmarks.peers.llama_cpp_env import ready_tools
+
+    tools = ready_tools()
+    if tools is None:
+        pytest.skip("llama.cpp tools not built (python -m benchmarks.peers.llama_cpp_env --tools)")
+    text = tmp_path / "text.txt"
+    text.write_text(hostile_bases.calib.read_text())
+    runs = {"llama-perplexity": ("-f", text, "-c", "64", "--chunks", "2", "-t", "1"),
+            "llama-imatrix": ("-f", text, "-o", tmp_path / "imatrix.gguf", "-c", "64",
+                              "--chunks", "2", "-t", "1", "--no-ppl")}
+    for tool, args in runs.items():
+        argv = G.llama_cpp_command(tools.path / "bin" / tool, hostile_bases.gguf, *args)
+        assert "--no-repack" in argv
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (tool, proc.stderr[-2000:])
+        assert "invalid argument" not in proc.stderr

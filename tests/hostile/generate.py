@@ -966,6 +966,15 @@ def _calib(name: str, data: str | bytes | None) -> Callable[[Path], Path]:
     return fault
 
 
+def _fifo(name: str) -> Callable[[Path], Path]:
+    """Replace the calibration path with a named pipe ``name`` that no process writes to."""
+    def fault(where: Path) -> Path:
+        path = where.parent / name
+        os.mkfifo(path)
+        return path
+    return fault
+
+
 CALIB_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "missing": (lambda p: p.parent / "none.txt", "does not exist"),
     "empty-txt": (_calib("c.txt", ""), "calibration text is too short"),
@@ -976,6 +985,8 @@ CALIB_FAULTS: dict[str, tuple[Fault, str | Expect]] = {
     "jsonl-not-utf8": (_calib("c.jsonl", b'{"text": "caf\xe9"}\n'), "not UTF-8"),
     "empty-directory": (_calib("cdir", None), "holds no .txt or .jsonl"),
     "wrong-suffix": (_calib("c.csv", "a,b\n"), "must be .txt or .jsonl"),
+    # a named pipe nobody writes to: reading it would block until the command is killed
+    "fifo": (_fifo("c.txt"), "is not a regular file"),
 }
 CALIB_COMMANDS: dict[str, CommandLine] = {
     "gptq": lambda ws, c: ["gptq", ws.model(), ws.dst, *TINY_CALIB, "--calib", c],
@@ -1045,6 +1056,10 @@ QUANTIZE_OPTION_FAULTS = {
     "samples-not-a-number": (["--samples", "many"], "Invalid value for '--samples'"),
     "method-unknown": (["--method", "awq"], "Invalid value for '--method'"),
     "unknown-option": (["--calib-decode-tokens", "8"], "No such option"),
+    # refused before any rank starts: no processes to leave behind
+    "nproc-1000": (["--nproc", "1000"], "--nproc 1000 is more than 4 ranks per CPU"),
+    "nproc-beyond-batches": (["--nproc", "3", "--samples", "2", "--batch-size", "1"],
+                             "3 ranks need at least 3 calibration batches, there are 2"),
 }
 # tinygemm writes one format: it has no --format
 QUANTIZE_OPTION_NOT_TINYGEMM = {"format-unknown", "format-empty"}
@@ -1123,6 +1138,8 @@ PROBE_CASES = [
     Case("probe-cpuinfo-binary",
          lambda ws: ["probe", "--cpuinfo", ws.file("cpuinfo", bytes(range(256)) * 16)],
          "cpuinfo"),
+    Case("probe-cpuinfo-a-fifo", lambda ws: ["probe", "--cpuinfo", _fifo("cpuinfo")(ws.root / "x")],
+         "not a regular file"),
     Case("probe-priority-unknown", lambda ws: ["probe", "--priority", "size"],
          "Invalid value for '--priority'"),
 ]
@@ -1154,8 +1171,10 @@ def file_digests(root: Path) -> dict[str, str]:
             out[rel] = "link:" + os.readlink(p)
         elif p.is_file():
             out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-        else:
+        elif p.is_dir():
             out[rel] = "dir"
+        else:  # a FIFO of a case: never read (it would block)
+            out[rel] = "special"
     return out
 
 
