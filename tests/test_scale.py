@@ -57,7 +57,8 @@ def test_the_random_model_has_the_public_shapes(random_1b: Path):
     assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
             cfg["num_key_value_heads"], cfg["vocab_size"]) == (2048, 8192, 16, 8, 128256)
     index = json.loads((random_1b / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_size"] == 2 * shape.parameters()
+    norms = (2 * shape.layers + 1) * shape.hidden  # two per layer and the final one
+    assert index["metadata"]["total_size"] == 2 * (shape.parameters() + norms)
 
 
 @pytest.mark.slow

@@ -205,11 +205,14 @@ BEGIN, END = "<!-- scale table: begin -->", "<!-- scale table: end -->"
 
 
 def _newest(results: Path, pattern: str) -> Path | None:
-    """The newest result file of ``pattern`` (a complete one before a partial one of the same
-    time), or None."""
+    """The newest result file of ``pattern`` that holds a pass (a complete one before a
+    partial one of the same time), or None."""
     files = sorted(results.glob(pattern), key=lambda p: (p.name.split("-")[-1][:16],
                                                          "partial" not in p.name))
-    return files[-1] if files else None
+    for path in reversed(files):
+        if "provenance" in json.loads(path.read_text()):  # a partial file from its first pass on
+            return path
+    return None
 
 
 def _median(values: list[float]) -> float:

@@ -80,7 +80,8 @@ class PublicShape:
         return cfg
 
     def parameters(self) -> int:
-        """Parameter count of the checkpoint (the tied head counted once)."""
+        """Parameters of the linears and the embedding (the tied head counted once; the norms'
+        few thousand weights left out)."""
         head_dim = self.head_dim or self.hidden // self.heads
         attn = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
