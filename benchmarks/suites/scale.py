@@ -233,7 +233,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     kind = "smoke-" if smoke else ""
     qpath = _newest(results, f"scale-quantize-{kind}2*.json")
     if qpath is None:
-        return "No result file yet."
+        return "Not measured yet: no result file of this suite is committed."
     q = json.loads(qpath.read_text())
     link = lambda p: f"[{p.name}]({os.path.relpath(p, docs)})"  # noqa: E731
     lines = ["| model (random weights) | calibration tokens | quantize: wall (passes) | "
