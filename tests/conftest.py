@@ -77,6 +77,9 @@ WORKER_GROUPS = {
     "engines": "vllm-engines", "vllm_run": "tinygemm-vllm", "peer": "peer-loaders",
     "quantize_dir": "bench-quantize", "xnnpack_8da8w": "phone-tiny", "qnn_w8a16": "phone-tiny",
     "qnn_16a4w": "phone-tiny", "xnnpack_8da4w": "phone-tiny", "tiny_gptq": "phone-tiny",
+    # one worker builds the 1B artifact and runs its tests: on two, the second would wait
+    # idle for the whole quantization
+    "gptq_1b": "scale-1b", "random_1b": "scale-1b",
 }
 
 # The end-to-end tier's longest tests and groups: seconds on one (pinned) worker of the 2-core
