@@ -31,7 +31,7 @@ def friendly_errors(fn):
             with signals_held():  # a second Ctrl-C does not cut the line short
                 if not getattr(exc, "cpu_quant_quiet", False):
                     click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
+            _exit(exc.exit_code)
         except KeyboardInterrupt as exc:
             with signals_held():
                 if not getattr(exc, "cpu_quant_quiet", False):
@@ -40,6 +40,18 @@ def friendly_errors(fn):
             sys.exit(130)
 
     return wrapper
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code``. A rank of ``--nproc`` ends at once, without the interpreter's
+    shutdown: the launcher's agent stops the other ranks with SIGTERM as soon as one fails, and
+    a rank caught by it after its one line would end by that signal, which the launcher reads
+    as a rank that could not report (``launcher._failed``) and says a second time."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # distributed.launched_rank
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 class UsageErrorLine(click.ClickException):

@@ -99,7 +99,7 @@ def _floor_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> A
 
     return Arm(f"floor-{model}", {"model": model, "source": str(src), "samples": samples,
                                   "seqlen": seqlen, "batch_size": BATCH}, command, collect,
-               extras=extras)
+               artifacts=lambda ctx: {"floor": ctx.workdir / "floor.json"}, extras=extras)
 
 
 def _gptq_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Arm:
@@ -127,7 +127,8 @@ def _gptq_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Ar
                               if k != "folds"}}
 
     return Arm(f"gptq-{model}", {"model": model, "source": str(src), "formats": FORMATS,
-                                 **settings}, command, collect, extras=extras)
+                                 **settings}, command, collect,
+               artifacts=lambda ctx: {f: dst / f for f in FORMATS.split(",")}, extras=extras)
 
 
 PARTS = ("quantize", "serve")
@@ -225,6 +226,10 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
+def _ratio(measured: float, floor: float) -> str:
+    return f"×{measured / floor:.2f}" if floor > 0 else "—"  # a tiny model's floor rounds to 0
+
+
 def render(results: Path, docs: Path, smoke: bool = False) -> str:
     """The scale table from the newest committed result files of the suite's parts (of its
     smoke runs with ``smoke``)."""
@@ -257,9 +262,9 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
         bound = _median([f["extras"]["memory"]["bound_bytes"] for f in floors])
         floor_total = sum(floor.values())
         tokens = runs[0]["extras"]["calibration_tokens"]
-        ratios = ", ".join(f"×{phases[p] / floor[p]:.2f}" for p in ("forward", "hessians", "quantize"))
+        ratios = ", ".join(_ratio(phases[p], floor[p]) for p in ("forward", "hessians", "quantize"))
         cells = [f"{model} ({SHAPES[model].parameters() / 1e9:.2f} B)", f"{tokens:,}",
-                 f"{_fmt_s(wall)} ({len(runs)})", f"×{wall / floor_total:.2f}; {ratios}",
+                 f"{_fmt_s(wall)} ({len(runs)})", f"{_ratio(wall, floor_total)}; {ratios}",
                  f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
         spath = _newest(results, f"scale-serve-{model}-{kind}2*.json")
         files = [link(qpath)]
