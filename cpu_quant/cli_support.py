@@ -47,7 +47,10 @@ def _exit(code: int) -> None:
     shutdown: the launcher's agent stops the other ranks with SIGTERM as soon as one fails, and
     a rank caught by it after its one line would end by that signal, which the launcher reads
     as a rank that could not report (``launcher._failed``) and says a second time."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # distributed.launched_rank
+    from .quantize.distributed import LAUNCHER_ENV
+
+    # only a rank that --nproc's launcher started (under torchrun nothing repeats the line)
+    if "RANK" in os.environ and os.environ.get(LAUNCHER_ENV):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
