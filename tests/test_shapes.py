@@ -39,3 +39,19 @@ def test_weights_depend_on_seed_and_name_only():
     assert float(a.float().std()) == pytest.approx(0.02, rel=0.05)
     assert torch.equal(random_tensor("model.norm.weight", (8,), 0.02, 0), torch.ones(8, dtype=torch.bfloat16))
     assert torch.equal(random_tensor("x.q_proj.bias", (8,), 0.02, 0), torch.zeros(8, dtype=torch.bfloat16))
+
+
+def test_bad_names_are_refused_in_one_line(tmp_path, capsys):
+    """An unknown model name (the writer's command) or scale arm is refused before any work."""
+    from benchmarks.suites.quantize import SuiteOptions
+    from benchmarks.suites.scale import _selection
+    from cpu_quant.models.shapes import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["Bogus"])
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    for bad in ("Bogus", "Llama-3.2-1B:bogus"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=[bad]))
+    assert _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=["Llama-3.2-1B:serve"])) \
+        == {"Llama-3.2-1B": ("serve",)}
