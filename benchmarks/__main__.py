@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
 
 from .harness import HarnessError, check_passes, run_suite
 from .peers import gptqmodel_env

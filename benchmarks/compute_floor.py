@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers  # noqa: F401  (what a run imports before it allocates)
 
     from cpu_quant import cli  # noqa: F401  (the gptq command's own imports)
+    from cpu_quant.core.memory import anon_rss_bytes
     from cpu_quant.formats import cpu_int4, gguf, gptq  # noqa: F401
-    from cpu_quant.memory import anon_rss_bytes
     from cpu_quant.quantize import pipeline  # noqa: F401
 
     runtime_floor = anon_rss_bytes(tree=False)

@@ -200,8 +200,8 @@ def project(measured: dict) -> list[dict]:
 def measured_inputs(result: dict, source: Path | None = None) -> dict:
     """The medians the projection starts from (see the module docstring). ``source``: the
     measured model's checkpoint (its shapes), by default the one the result names."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
     from cpu_quant.quantize.plan import plan_linear
 
     if result.get("suite") != "distributed" or result.get("smoke"):

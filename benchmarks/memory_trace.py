@@ -35,7 +35,7 @@ import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cpu_quant.memory import _libc, anon_rss_bytes
+from cpu_quant.core.memory import _libc, anon_rss_bytes
 
 from . import provenance
 from .peers import gptqmodel_env

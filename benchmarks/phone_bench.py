@@ -48,8 +48,9 @@ def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tok
     from transformers import AutoTokenizer
 
     from cpu_quant.data.corpus import builtin_split, token_windows
+    from cpu_quant.export.graph import GraphShape
     from cpu_quant.export.model import read_spec
-    from cpu_quant.export.runner import GraphShape, StaticKVRunner
+    from cpu_quant.export.runner import StaticKVRunner
     from cpu_quant.export.verify import pte_step_functions
 
     spec = read_spec(src)

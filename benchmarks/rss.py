@@ -24,7 +24,7 @@ PROC = Path("/proc")
 DEFAULT_INTERVAL = 0.1
 
 try:  # one reader of RssAnon for the whole project, when the runtime side provides it
-    from cpu_quant.memory import anon_rss_bytes as _project_anon_rss
+    from cpu_quant.core.memory import anon_rss_bytes as _project_anon_rss
 except ImportError:  # pragma: no cover - older trees
     _project_anon_rss = None
 
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - older trees
 def anon_rss_bytes(pid: int) -> int:
     """``RssAnon`` of one process (not its children) in bytes; 0 if it is gone or has no mm."""
     if _project_anon_rss is not None:
-        from cpu_quant.errors import CpuQuantError
+        from cpu_quant.core.errors import CpuQuantError
 
         try:
             # tree=False: this module walks the tree itself; summing per-pid trees double counts

@@ -12,7 +12,7 @@ recorded, provenance with artifact sha256). Arms:
 ``bf16``      the source checkpoint (vLLM's unquantized CPU GEMM)
 ``gptq``      ``cpu-quant gptq`` layout as users serve it: the cpu_quant plugin installed, no
               switch set, so GPTQ layers run on the kernel this CPU's row of
-              ``cpu_quant.probe.KERNEL_TABLE`` names (tinygemm on x86 without AMX)
+              ``cpu_quant.formats.kernels.KERNEL_TABLE`` names (tinygemm on x86 without AMX)
 ``gptq_stock``  the ``gptq`` arm's checkpoint with ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: stock
               vLLM's kernel (``cpu_gemm_wna16``; absent from vLLM's AVX2 build;
               ``int4_scaled_mm_cpu``, W4A8, where the CPU has AMX)
@@ -107,7 +107,8 @@ def default_gptq_knob(w4a8: bool = True) -> str:
     """What the ``gptq`` arm's log must hold on this CPU: the plugin's per-layer-type line where
     its kernel table puts GPTQ layers on tinygemm, vLLM's own kernel line elsewhere. ``w4a8``:
     vLLM's ``VLLM_CPU_INT4_W4A8`` switch (off, an AMX CPU's table row puts them on tinygemm)."""
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     on_tinygemm = serving_kernels(local_cpu(), w4a8).gptq_kernel == "tinygemm"
     return GPTQ_TINYGEMM_KNOB if on_tinygemm else STOCK_GPTQ_KNOB
@@ -167,7 +168,7 @@ def one_pass(model: str, out: Path, decode_tokens: int, eager: bool,
 
     from vllm import LLM
 
-    from cpu_quant.memory import anon_rss_bytes
+    from cpu_quant.core.memory import anon_rss_bytes
 
     t0 = time.perf_counter()
     llm = LLM(model=model, max_model_len=prompt_len + decode_tokens + 16, dtype="bfloat16",
@@ -216,7 +217,7 @@ def _worker_memory(worker) -> dict:
     loaded, the KV cache zero-filled), so their bytes are resident."""
     import os as _os
 
-    from cpu_quant.memory import anon_rss_bytes
+    from cpu_quant.core.memory import anon_rss_bytes
 
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
@@ -265,7 +266,7 @@ def memory_attribution(llm) -> dict:
     weights and of the KV cache (their tensor storages, counted). ``worker_other_bytes`` is the
     worker's RssAnon beside those two counts (allocator, libraries, compiled code, buffers): the
     one figure not counted directly, labelled as such."""
-    from cpu_quant.memory import _read_rss_anon_kib, descendant_pids
+    from cpu_quant.core.memory import _read_rss_anon_kib, descendant_pids
 
     workers = llm.collective_rpc(_worker_memory)
     front = os.getpid()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+from .core import __version__  # noqa: F401  (the package's version)
 
 
 class _DropKnownNoise(logging.Filter):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from .errors import CpuQuantError, Interrupted
+from .core.errors import CpuQuantError, Interrupted
 
 
 def require_working_directory() -> None:

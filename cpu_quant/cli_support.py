@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .errors import CpuQuantError
+from .core.errors import CpuQuantError
 from .quantize.settings import DEFAULT_RANK_TIMEOUT
 
 
@@ -360,7 +360,8 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
                       "(-v shows them)")
         _print_summary(report, target)
         if "gptq" in report.outputs:
-            from .probe import read_machine, vllm_gptq_unavailable
+            from .core.cpu import read_machine
+            from .probe import vllm_gptq_unavailable
 
             try:
                 why = vllm_gptq_unavailable(read_machine())
@@ -383,7 +384,7 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
                     fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
                                             variants=("weights", "w4a8_emulated"))
             except KeyboardInterrupt:  # the artifact is complete: nothing to resume
-                from .errors import Interrupted
+                from .core.errors import Interrupted
 
                 finish_outputs(report.outputs, source, fallback=asdict(report))
                 raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
@@ -415,7 +416,7 @@ def _interrupted_after_commit(outputs: dict[str, str], source: Path, target: Pat
     """Ctrl-C or SIGTERM after DST was put in place: finish its model card and report.html
     (a moment; further signals wait for it) and say truthfully what DST holds."""
     from .after_run import finish_outputs, read_report
-    from .errors import Interrupted
+    from .core.errors import Interrupted
     from .quantize.signals import signals_held
 
     with signals_held():

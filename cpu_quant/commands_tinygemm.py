@@ -47,7 +47,7 @@ def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
 def convert(src_dir: str, dst: str, target: str, overwrite: bool, as_json: bool) -> None:
     """Repack a 4-bit checkpoint into another format, bit-exactly, or refuse and say why."""
     from .after_run import record_conversion
-    from .formats.convert import convert_checkpoint
+    from .convert import convert_checkpoint
 
     with stdout_for_json(as_json) as emit:
         report = convert_checkpoint(src_dir, dst, target, overwrite=overwrite)

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import CpuQuantError
+from .core.errors import CpuQuantError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 

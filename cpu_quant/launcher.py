@@ -28,7 +28,7 @@ import uuid
 
 import click
 
-from .errors import CpuQuantError
+from .core.errors import CpuQuantError
 
 SHUTDOWN_SECONDS = 10  # a stopped run's other ranks: SIGTERM, then SIGKILL after this
 LAUNCHER_NAME = "cpu-quant --nproc"

@@ -168,7 +168,7 @@ def _groups_text(used: list[int], requested) -> str:
 def _setting_rows(report: dict) -> list[str]:
     """The card's settings table: every setting that changed the weights, with the values the
     run used (the groups from its tensors, the smoothing from its record)."""
-    from .quantize.plan import DOWN_LEAF, HEAD_NAME
+    from .core.naming import DOWN_LEAF, HEAD_NAME
 
     s = report.get("settings", {})
     calib = s.get("calib") or "austen (built-in: the first half of six Austen novels)"
@@ -280,7 +280,7 @@ def write_model_card(directory: Path, report: dict, source: Path, format_name: s
     directory = Path(directory)
     path = directory / "README.md" if directory.is_dir() else directory.with_name(
         directory.name + ".README.md")
-    from .io.artifact import write_text_atomic
+    from .core.io.artifact import write_text_atomic
 
     write_text_atomic(path, model_card_text(directory, report, Path(source), format_name))
     return path

@@ -26,7 +26,7 @@ number of rows ``M``:
   tile is filled from such pieces, each rounded to bf16. No second copy of the weights is ever
   kept: the extra memory is one tile (a few MiB) and one tile's output.
 
-Both settings come from this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` (the measurements
+Both settings come from this CPU's row of ``cpu_quant.formats.kernels.KERNEL_TABLE`` (the measurements
 behind each row are there). ``CPU_QUANT_INT4_KERNEL_MAX_ROWS`` (e.g. 0: every batch through
 the dequantize path) and ``CPU_QUANT_INT4_PREFILL_GEMM`` (``bfloat16`` or ``float32``) override
 them for comparisons; both are read once, at import.
@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import CpuQuantError
+from .core.cpu import local_cpu
+from .core.errors import CpuQuantError
 from .formats.cpu_int4 import (
     CHUNK_WEIGHTS,
     QUANT_METHOD,
@@ -63,7 +64,7 @@ from .formats.cpu_int4 import (
     repack_to_kernel_,
     scale_zero_storage,
 )
-from .probe import PREFILL_GEMMS, local_cpu, serving_kernels
+from .formats.kernels import PREFILL_GEMMS, serving_kernels
 
 PATH_CALLS = {"kernel": 0, "dequantize": 0, "fused_tiles": 0}
 _GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -291,7 +292,7 @@ def load_quantized(path: str | Path):
 
     ``path`` is a ``cpu_int4`` checkpoint, or any checkpoint of a safetensors format the formats
     registry reads (``gptq``: cpu-quant's, GPTQModel's, ...), whose modules are repacked to the
-    ``cpu_int4`` layout on the way in (``formats/convert.repack_module``, the repack ``cpu-quant
+    ``cpu_int4`` layout on the way in (``formats.repack.repack_module``, the repack ``cpu-quant
     convert`` does, checked bit for bit). Every quantized module becomes an
     :class:`Int4PackedLinear` (the output head too, when quantized); all other tensors load
     unchanged. A module that cannot be held exactly (an act-order ``g_idx``, fp16 scales bf16
@@ -301,9 +302,9 @@ def load_quantized(path: str | Path):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .core.io.checkpoint import open_checkpoint
     from .formats import format_for_quant_method, get_format
-    from .formats.convert import repack_module
-    from .io.checkpoint import open_checkpoint
+    from .formats.repack import repack_module
 
     ckpt = open_checkpoint(path)
     qcfg = ckpt.config.get("quantization_config") or {}

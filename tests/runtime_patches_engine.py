@@ -91,8 +91,8 @@ def run_process_tree(cmd: list[str], env: dict[str, str], timeout: float
 def _rss_by_process(pids: list[int]) -> dict[str, list]:
     """{pid: [name, RssAnon bytes]}; a short-lived child (a compiler, ldconfig) may exit while
     being read and is left out."""
-    from cpu_quant import memory
-    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.core import memory
+    from cpu_quant.core.errors import CpuQuantError
 
     out: dict[str, list] = {}
     for pid in pids:
@@ -116,7 +116,7 @@ def main() -> None:
     import vllm.plugins
     from vllm import LLM, SamplingParams
 
-    from cpu_quant import memory
+    from cpu_quant.core import memory
 
     plugins_loaded_before = vllm.plugins.plugins_loaded
     kwargs = {}

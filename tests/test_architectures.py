@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpu_quant.core.io.checkpoint import open_checkpoint
 from cpu_quant.eval.dequantized import load_model
-from cpu_quant.io.checkpoint import open_checkpoint
 from cpu_quant.models.tiny import TINY_ARCHS, make_tiny_model
 from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 from cpu_quant.quantize.streaming import LayerStream
@@ -146,7 +146,7 @@ def test_unloading_a_layer_puts_its_own_empty_parameters_back(tiny_model):
 
 
 def test_compute_dtype_follows_the_cpu_and_the_override(monkeypatch):
-    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.core.errors import CpuQuantError
     from cpu_quant.quantize.streaming import compute_dtype
 
     monkeypatch.delenv("CPU_QUANT_COMPUTE_DTYPE", raising=False)

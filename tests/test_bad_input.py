@@ -29,7 +29,7 @@ def test_jsonl_calibration_and_directory(tmp_path, tiny_llama):
 
 
 def test_hub_snapshot_links_into_blobs_are_accepted(tmp_path, tiny_llama):
-    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.checkpoint import open_checkpoint
 
     repo = tmp_path / "models--x--tiny"
     blobs, snap = repo / "blobs", repo / "snapshots" / "abc123"
@@ -47,7 +47,7 @@ def test_hub_snapshot_links_into_blobs_are_accepted(tmp_path, tiny_llama):
 def test_standard_tokenizer_classes_are_accepted(name, tmp_path):
     """tokenizer_class names real checkpoints carry (slow names, their fast twins, the
     generic ones) pass the unknown-class check."""
-    from cpu_quant.io.checkpoint import check_tokenizer_class
+    from cpu_quant.core.io.checkpoint import check_tokenizer_class
 
     check_tokenizer_class(name, tmp_path / "tokenizer_config.json")
 
@@ -59,7 +59,7 @@ def test_zero_size_tensors_and_shards_in_any_order_open(tmp_path, tiny_llama):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.checkpoint import open_checkpoint
 
     src = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
     tensors = load_file(src / "model.safetensors")

@@ -16,10 +16,11 @@ import torch
 from benchmarks.peers import gptqmodel_env
 from benchmarks.suites import fidelity
 from benchmarks.suites import quantize as q
+from cpu_quant.core.grid import GroupQuant
+from cpu_quant.core.io.safetensors_writer import write_safetensors
+from cpu_quant.core.naming import group_for_module
 from cpu_quant.formats.gptq import gptq_module_tensors
-from cpu_quant.io.safetensors_writer import write_safetensors
-from cpu_quant.quantize.grid import GroupQuant
-from cpu_quant.quantize.plan import HEAD_GROUP, group_for_module
+from cpu_quant.quantize.plan import HEAD_GROUP
 
 HEAD_RULE = {"+:(?:lm_head)$": {"bits": 4, "group_size": HEAD_GROUP, "sym": True,
                                 "desc_act": False}}
@@ -28,7 +29,7 @@ HEAD_RULE = {"+:(?:lm_head)$": {"bits": 4, "group_size": HEAD_GROUP, "sym": True
 def test_the_untied_copy_is_the_same_function_with_a_head_of_its_own(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.checkpoint import open_checkpoint
 
     untied = q.untied_copy(tiny_llama, tmp_path / "untied")
     ckpt = open_checkpoint(untied)

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from cpu_quant.cli_conventions import default_output_name
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.hub import checkpoint_name, resolve_checkpoint
 from cpu_quant.model_card import write_model_card
 

@@ -172,7 +172,7 @@ def test_interrupted_quick_eval_says_the_artifact_is_complete(monkeypatch, tiny_
 
 
 def test_saved_reference_refuses_other_text_or_tokens(tmp_path):
-    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.core.errors import CpuQuantError
     from cpu_quant.eval.reference_logits import SavedReference
 
     settings = {"windows": 1, "seqlen": 4, "prompts": 1, "prompt_len": 2, "new_tokens": 1, "text": None}
@@ -209,7 +209,7 @@ def test_eval_memory_plan_follows_the_available_memory(tiny_llama, tiny_rtn):
     take the later branches on a 24 GiB machine)."""
     import torch
 
-    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.core.errors import CpuQuantError
     from cpu_quant.eval.fidelity import MODEL_HEADROOM, model_bytes, plan_memory
 
     ref, quant = model_bytes(tiny_llama, torch.float32), model_bytes(tiny_rtn, torch.float32)

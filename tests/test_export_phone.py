@@ -25,7 +25,7 @@ from click.testing import CliRunner
 pytest.importorskip("executorch")
 pytest.importorskip("torchao")
 
-from cpu_quant.errors import CpuQuantError  # noqa: E402
+from cpu_quant.core.errors import CpuQuantError  # noqa: E402
 from cpu_quant.export import xnnpack  # noqa: E402
 from cpu_quant.export.commands import export_phone  # noqa: E402
 from cpu_quant.export.model import export_methods, load_static_lm  # noqa: E402
@@ -120,8 +120,8 @@ def xnnpack_8da4w(peaked_llama: Path, tmp_path_factory) -> tuple[Path, dict]:
 def artifact_codes(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Signed codes (q - 8) and scales of every module of a GPTQ artifact, read with the
     format's own unpack (independently of the export's code)."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
 
     fmt, ckpt = get_format("gptq"), open_checkpoint(path)
     qcfg = ckpt.config["quantization_config"]
@@ -236,10 +236,10 @@ def test_a_smoothed_gptq_artifact_folds_the_static_graph_like_its_checkpoint(tin
     norms are then the artifact's bit for bit and whose float logits stay the source's (the
     folded norms are stored in bf16: > 40 dB); the artifact passes the same-source check, and
     a factors file that does not fit the source is refused in one line."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.smoothing_factors import FACTORS_FILE, load_factors, save_factors
     from cpu_quant.export.weights import check_same_source, fold_smoothing
-    from cpu_quant.io.checkpoint import open_checkpoint
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
-    from cpu_quant.quantize.smooth_fold import FACTORS_FILE, load_factors, save_factors
 
     art = tmp_path / "smoothed"
     quantize_checkpoint(tiny_llama, art, QuantSettings(smooth=True, samples=8, seqlen=32,
@@ -392,7 +392,7 @@ def test_static_graph_matches_transformers(arch: str, demo_src: Path, tmp_path: 
     src = make_tiny_model(arch, tmp_path / arch, demo_src, vocab=512)
     model = load_static_lm(src, 32)
     s = model.spec
-    from cpu_quant.export.runner import GraphShape
+    from cpu_quant.export.graph import GraphShape
 
     shape = GraphShape(s.n_layers, s.n_kv_heads, s.head_dim, s.vocab_size, 32, 8)
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -412,8 +412,8 @@ def test_prefill_length_one_is_a_single_method_that_prefills_a_token_at_a_time(
         demo_src: Path, tmp_path: Path) -> None:
     """With --prefill-len 1 the program has ``decode`` alone; scoring through it token by token
     gives the chunked prefill's logits, and a program without its methods is refused."""
-    from cpu_quant.errors import CpuQuantError
-    from cpu_quant.export.runner import GraphShape
+    from cpu_quant.core.errors import CpuQuantError
+    from cpu_quant.export.graph import GraphShape
 
     model = load_static_lm(make_tiny_model("llama", tmp_path / "llama", demo_src, vocab=512), 32)
     s = model.spec
@@ -589,7 +589,7 @@ def test_saved_qnn_program_retraces_for_the_qnn_lowering(qnn_w8a16) -> None:
     """What can be checked of the SDK path without the SDK: the saved program reloads and
     re-exports with strict=True, as to_edge_transform_and_lower_to_qnn traces it."""
     from cpu_quant.export import qnn
-    from cpu_quant.export.runner import GraphShape
+    from cpu_quant.export.graph import GraphShape
 
     out, report = qnn_w8a16
     program = qnn.load_saved_programs(out)["decode"]

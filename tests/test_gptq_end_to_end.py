@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpu_quant.core.io.checkpoint import open_checkpoint
+from cpu_quant.core.naming import group_for_module
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.eval.fidelity import EvalSettings, _greedy, evaluate_artifact
 from cpu_quant.formats.gptq import dequantize_gptq, unpack_gptq_qzeros
-from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.plan import DOWN_GROUP, group_for_module
+from cpu_quant.quantize.plan import DOWN_GROUP
 
 from .conftest import REPO, needs_stock_vllm_gptq_kernel, read_config
 from .helpers.vllm_paths import NEAR_TIE_NATS, reference_context, stock_vllm_gptq_path
@@ -128,7 +129,7 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
     the source through the same folds and finds every module."""
     from transformers import AutoTokenizer
 
-    from cpu_quant.quantize.smooth_fold import load_factors
+    from cpu_quant.core.smoothing_factors import load_factors
     from cpu_quant.verify.source import compare_with_source
 
     assert load_factors(gptq_artifact) is not None
@@ -149,7 +150,8 @@ def test_stock_vllm_serves_the_artifact_like_its_dequantized_weights(gptq_artifa
 
 
 def _default_gptq_kernel() -> str:
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     return serving_kernels(local_cpu(), os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0").gptq_kernel
 

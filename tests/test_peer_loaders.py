@@ -57,10 +57,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.peers import gptqmodel_env
+from cpu_quant.core.io.checkpoint import open_checkpoint
+from cpu_quant.core.naming import group_for_module
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.formats.gptq import dequantize_gptq
-from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.quantize.plan import DOWN_GROUP, group_for_module
+from cpu_quant.quantize.plan import DOWN_GROUP
 
 from .conftest import REPO, build_once, run_cli
 

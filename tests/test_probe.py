@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cpu_quant.errors import CpuQuantError
-from cpu_quant.probe import DECISION_TABLE, decide, parse_cpuinfo, parse_meminfo, probe
+from cpu_quant.core.cpu import parse_cpuinfo, parse_meminfo
+from cpu_quant.core.errors import CpuQuantError
+from cpu_quant.probe import DECISION_TABLE, decide, probe
 from cpu_quant.verify.commands import probe as probe_cmd
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cpuinfo"
@@ -184,7 +185,7 @@ KERNEL_ROWS = {
 
 @pytest.mark.parametrize("fixture", sorted(KERNEL_ROWS))
 def test_kernel_table_row_per_recorded_machine(fixture: str) -> None:
-    from cpu_quant.probe import serving_kernels
+    from cpu_quant.formats.kernels import serving_kernels
 
     facts = parse_cpuinfo((FIXTURES / fixture).read_text())
     on, off = KERNEL_ROWS[fixture]
@@ -199,7 +200,7 @@ def test_kernel_table_row_per_recorded_machine(fixture: str) -> None:
 
 
 def test_kernel_table_rows_carry_their_evidence() -> None:
-    from cpu_quant.probe import GPTQ_KERNELS, KERNEL_TABLE, PREFILL_GEMMS
+    from cpu_quant.formats.kernels import GPTQ_KERNELS, KERNEL_TABLE, PREFILL_GEMMS
 
     names = [r.name for r in KERNEL_TABLE]
     assert len(names) == len(set(names))
@@ -215,7 +216,7 @@ def test_kernel_table_rows_carry_their_evidence() -> None:
 
 
 def test_probe_names_this_machines_kernel_row() -> None:
-    from cpu_quant.probe import serving_kernels
+    from cpu_quant.formats.kernels import serving_kernels
 
     result = probe("speed", "cpu")
     assert result.serving == serving_kernels(result.facts)

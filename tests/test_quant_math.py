@@ -9,9 +9,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
+from cpu_quant.core.grid import GroupQuant, quantize_codes, round_scale
 from cpu_quant.quantize.gptq import GridSpec, _damped_cholesky_inverse, quantize_gptq, quantize_rtn
-from cpu_quant.quantize.grid import GroupQuant, quantize_codes, round_scale
 from cpu_quant.quantize.scale_search import (
     absmax_scales,
     minmax_scales_zeros,

@@ -304,7 +304,7 @@ def test_releasing_the_heap_after_a_layer_starts_no_process(monkeypatch):
     ``ctypes.util.find_library`` forks ``ldconfig``, and a fork of the quantizer briefly doubles
     the RssAnon summed over its process tree (the memory benchmark's one-off peaks)."""
 
-    from cpu_quant.memory import release_free_heap
+    from cpu_quant.core.memory import release_free_heap
 
     release_free_heap()  # the first call may look the allocators up
 
@@ -320,7 +320,7 @@ PIN_PROBE = r"""
 import ctypes, sys
 import torch
 from benchmarks.memory_trace import _mallinfo2
-from cpu_quant.memory import pin_mmap_threshold
+from cpu_quant.core.memory import pin_mmap_threshold
 
 mi = _mallinfo2()
 if sys.argv[1] == "pin":
@@ -382,7 +382,7 @@ def test_resume_point_file_reads_back_through_safetensors(tmp_path):
     a file that safetensors reads back exactly: dtypes, shapes, views, an empty tensor."""
     from safetensors.torch import load_file
 
-    from cpu_quant.io.safetensors_writer import write_safetensors
+    from cpu_quant.core.io.safetensors_writer import write_safetensors
 
     torch.manual_seed(0)
     slab = torch.randn(6, 5, 7).to(torch.bfloat16)

@@ -61,7 +61,7 @@ def test_resume_after_a_kill_between_the_activations_and_the_state(hostile_bases
     """The activations of layer 2 are in place, the state still says layer 1 (a kill between
     the two writes): the resume uses layer 1's activations, kept until the state moved on, and
     gives the uninterrupted run's artifact bit for bit."""
-    from cpu_quant.io.safetensors_writer import write_safetensors
+    from cpu_quant.core.io.safetensors_writer import write_safetensors
     from cpu_quant.quantize.pipeline import quantize_checkpoint
     from cpu_quant.quantize.settings import QuantSettings
 
@@ -88,7 +88,7 @@ def test_resume_after_a_kill_between_the_activations_and_the_state(hostile_bases
 def test_phone_settings_errors_name_only_real_flags():
     """Settings only the Python API sets are named as fields, never as flags that do not exist
     (the flags' own errors are in the corpus)."""
-    from cpu_quant.errors import CpuQuantError
+    from cpu_quant.core.errors import CpuQuantError
     from cpu_quant.export.pipeline import PhoneExportSettings
 
     for field_name in ("calib_decode_tokens", "verify_len"):
@@ -111,7 +111,7 @@ def test_inspect_shows_what_it_can_of_a_report_with_wrong_value_types(hostile_ba
 def test_ctrl_c_in_convert_leaves_nothing(hostile_bases: Bases, tmp_path, monkeypatch):
     """convert has no --resume: a Ctrl-C (or SIGTERM) removes its staging directory and lock
     and says so, instead of keeping a partial run nothing can continue."""
-    from cpu_quant.formats import convert
+    from cpu_quant import convert
 
     def interrupt(out) -> None:
         raise KeyboardInterrupt

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from cpu_quant.errors import CpuQuantError
-from cpu_quant.memory import descendant_pids
+from cpu_quant.core.errors import CpuQuantError
+from cpu_quant.core.memory import descendant_pids
 from cpu_quant.runtime_patches import PATCH_MODULES, anon_rss_bytes, switch_state
 from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
 from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
@@ -308,7 +308,8 @@ def torch_amx() -> bool:
 
 
 def _table_says_tinygemm() -> bool:
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     return serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
 
@@ -347,7 +348,8 @@ def _gptq_kernel_registration(switch: str | None) -> dict:
 def test_default_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
     """No switch set: on this CPU the kernel table says tinygemm, so the kernel goes in, once,
     just before vLLM's, and the line names the row."""
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     result = _gptq_kernel_registration(None)
     assert result["status"]["status"] == "applied"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.core.io.checkpoint import open_checkpoint
 from cpu_quant.models.tiny import TINY_ARCHS, make_tiny_model
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
 from cpu_quant.quantize.hessians import gram

@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpu_quant.errors import CpuQuantError
-from cpu_quant.io.checkpoint import open_checkpoint
-from cpu_quant.models.tiny import make_tiny_model
-from cpu_quant.quantize import smooth_fold
-from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
-from cpu_quant.quantize.smooth_fold import (
+from cpu_quant.core import smoothing_factors
+from cpu_quant.core.errors import CpuQuantError
+from cpu_quant.core.io.checkpoint import open_checkpoint
+from cpu_quant.core.smoothing_factors import (
     FACTORS_FILE,
     SmoothedCheckpoint,
     all_folds,
     fold_tensor,
     load_factors,
-    refuse,
-    w4a8_error,
 )
+from cpu_quant.models.tiny import make_tiny_model
+from cpu_quant.quantize import smooth_fold
+from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
+from cpu_quant.quantize.smooth_fold import refuse, w4a8_error
 
 FOLDED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -60,7 +60,7 @@ def _folds(path: Path) -> list:
     cfg = json.loads((path / "config.json").read_text())
     names = set(ckpt.names)
     return all_folds(cfg, "model.layers", int(cfg["num_hidden_layers"]), names,
-                     smooth_fold.HEAD, "model.norm.weight")
+                     smoothing_factors.HEAD, "model.norm.weight")
 
 
 @torch.no_grad()
@@ -79,7 +79,7 @@ def test_folded_model_computes_the_same_logits_in_float64(tiny):
             -3.5, 3.5, generator=gen))
     base = _float64_model(path)
     state = {n: fold_tensor(n, p.detach(), folds, factors)
-             for n, p in base.state_dict().items() if n in smooth_fold.touched(folds)}
+             for n, p in base.state_dict().items() if n in smoothing_factors.touched(folds)}
     assert "lm_head.weight" in state and "model.embed_tokens.weight" not in state
     folded = _float64_model(path, state)
     ids = torch.randint(0, 49152, (2, 24), generator=gen)
@@ -112,7 +112,7 @@ def test_the_search_never_does_worse_than_no_smoothing():
     x = torch.randn(512, 64, generator=gen)
     x[:, 3] *= 60
     x[:, 40] *= 25
-    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    fold = smoothing_factors.Fold("n.weight", ("a.weight",))
     s, choice = smooth_fold.choose(fold, x.abs().amax(0), x, [w], [32])
     assert choice.alpha is not None and choice.error < 0.5 * choice.error_unsmoothed
     assert abs(w4a8_error(x, [w], s, [32]) - choice.error) < 1e-9
@@ -152,7 +152,7 @@ def test_candidates_evaluated_apart_pick_what_all_at_once_picks():
     w = torch.randn(96, 64, generator=gen)
     x = torch.randn(512, 64, generator=gen)
     x[:, 5] *= 40
-    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    fold = smoothing_factors.Fold("n.weight", ("a.weight",))
     s, choice = smooth_fold.choose(fold, x.abs().amax(0), x, [w], [32])
     errors: dict = {}
     for share in smooth_fold.assign_candidates([HEAD_COST], 3):
@@ -238,7 +238,7 @@ def test_smooth_without_calibration_is_refused():
 def test_a_broken_factors_file_is_one_line(content, tmp_path):
     """verify --source and export-phone read the factors file: a truncated or foreign one, or
     factors that are not finite and positive, are refused in one line naming the file."""
-    from cpu_quant.quantize.smooth_fold import save_factors
+    from cpu_quant.core.smoothing_factors import save_factors
 
     path = tmp_path / FACTORS_FILE
     if isinstance(content, bytes):
@@ -261,10 +261,10 @@ def test_row_blocks_bound_the_candidates_memory_and_keep_their_errors(monkeypatc
     w = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
     x = torch.randn(256, 64, generator=gen)
     x[:, 5] *= 40
-    fold = smooth_fold.Fold("n.weight", ("a.weight",))
+    fold = smoothing_factors.Fold("n.weight", ("a.weight",))
     whole = smooth_fold.candidate_errors(fold, x.abs().amax(0), x, [w], [32])
-    monkeypatch.setattr(smoothing, "BLOCK_ELEMENTS", 64 * 7)  # 7 rows a block: 43 blocks
-    assert len(smoothing.row_blocks(w)) == 43
+    monkeypatch.setattr(smoothing_factors, "BLOCK_ELEMENTS", 64 * 7)  # 7 rows a block: 43 blocks
+    assert len(smoothing_factors.row_blocks(w)) == 43
     assert torch.equal(smoothing.column_absmax(w), w.abs().amax(0))
     blocked = smooth_fold.candidate_errors(fold, x.abs().amax(0), x, [w], [32])
     assert whole.keys() == blocked.keys()

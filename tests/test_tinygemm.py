@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.cpu import local_cpu
+from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.formats import cpu_int4 as tp
-from cpu_quant.probe import local_cpu, serving_kernels
+from cpu_quant.formats.kernels import serving_kernels
 
 from .conftest import REPO, SMALL_CALIB, build_once, run_cli
 from .helpers.tinygemm_isa import random_module as _random_module
@@ -359,8 +360,8 @@ def sym_artifact(gptq_artifact: Path, artifacts_dir: Path) -> Path:
 
 
 def test_config_and_tensors_describe_a_cpu_int4_checkpoint(asym_artifact: Path):
-    from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.quantize.plan import group_for_module
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.naming import group_for_module
 
     ckpt = open_checkpoint(asym_artifact)
     q = ckpt.config["quantization_config"]
@@ -389,8 +390,8 @@ def test_config_and_tensors_describe_a_cpu_int4_checkpoint(asym_artifact: Path):
 
 
 def test_convert_repacks_symmetric_gptq_losslessly(gptq_artifact: Path, sym_artifact: Path):
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
 
     src, dst = open_checkpoint(gptq_artifact), open_checkpoint(sym_artifact)
     q = dst.config["quantization_config"]
@@ -430,8 +431,8 @@ def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path
     import transformers
     from safetensors.torch import save_file
 
+    from cpu_quant.core.grid import GroupQuant
     from cpu_quant.formats.gptq import gptq_module_tensors
-    from cpu_quant.quantize.grid import GroupQuant
 
     dst.mkdir()
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=n, intermediate_size=k,
@@ -507,9 +508,9 @@ def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, t
 def test_convert_round_trips_and_keeps_an_asymmetric_grid(demo_src: Path, tmp_path: Path):
     """Any format to any other and back, bit for bit; an asymmetric GPTQ checkpoint keeps its
     zeros in cpu_int4, where (8 - z) * s is exact."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
     from cpu_quant.formats.gptq import gptq_quantization_config
-    from cpu_quant.io.checkpoint import open_checkpoint
 
     config = json.loads((demo_src / "config.json").read_text())
     config["quantization_config"] = gptq_quantization_config(128, False, {})

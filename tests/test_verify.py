@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.formats.gptq import pack_gptq_qzeros, unpack_gptq_qweight
 from cpu_quant.verify import inspect_checkpoint, verify_checkpoint
 from cpu_quant.verify.commands import inspect as inspect_cmd

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cpu_quant import vllm_alias
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.vllm_alias import TEMP_PREFIX, install_alias
 
 from .conftest import REPO

@@ -1,7 +1,7 @@
 """`vllm serve` on a cpu-quant GPTQ artifact, over HTTP, held to the artifact's dequantized weights.
 
 The server runs as a user runs it: the cpu_quant plugin installed, none of its switches set, so
-GPTQ layers run on the kernel this CPU's row of ``cpu_quant.probe.KERNEL_TABLE`` names
+GPTQ layers run on the kernel this CPU's row of ``cpu_quant.formats.kernels.KERNEL_TABLE`` names
 (tinygemm on x86 without AMX, which is also what makes GPTQ servable on AVX2-only CPUs).
 
 End-to-end tier: quantizes the demo model (session fixture ``gptq_artifact``), starts the real
@@ -96,7 +96,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _on_tinygemm() -> bool:
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     return serving_kernels(local_cpu()).gptq_kernel == "tinygemm"
 

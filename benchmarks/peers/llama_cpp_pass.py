@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     import llama_cpp
 
     from benchmarks.peers.llama_cpp_open import open_model, write_result
-    from cpu_quant.memory import anon_rss_bytes
+    from cpu_quant.core.memory import anon_rss_bytes
 
     threads = len(os.sched_getaffinity(0))
     t0 = time.perf_counter()

@@ -176,9 +176,9 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
     """
     import re
 
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.smoothing_factors import HEAD, load_factors, smoothed_source
     from cpu_quant.formats import format_for_quant_method
-    from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.quantize.smooth_fold import HEAD, load_factors, smoothed_source
 
     qck, src = open_checkpoint(artifact), open_checkpoint(source)
     factors = load_factors(artifact)
@@ -322,8 +322,8 @@ def check_gptqmodel_head(artifact: Path, dynamic: dict, group: int) -> list[str]
     Read from what is on disk: ``config.json`` (``lm_head: true``, the head untied, the rule in
     its ``dynamic``) and the head's tensors, whose shapes give its bits and its group
     (``qweight`` [K·bits/32, N], ``scales`` [K/g, N], K the hidden size)."""
-    from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.quantize.plan import HEAD_NAME, group_for_module
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.naming import HEAD_NAME, group_for_module
 
     want_group = group_for_module(dynamic, HEAD_NAME, group)
     ckpt = open_checkpoint(artifact)

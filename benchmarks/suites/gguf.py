@@ -239,7 +239,7 @@ def replace_embedding(ours: Path, source: Path, out: Path, type_name: str) -> No
     """
     import gguf
 
-    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.checkpoint import open_checkpoint
 
     qtype = gguf.GGMLQuantizationType[type_name]
     ckpt = open_checkpoint(source)

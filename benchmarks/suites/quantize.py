@@ -137,10 +137,10 @@ def untied_copy(src: Path, dst: Path) -> Path:
     ``tie_word_embeddings: false``. The same function as ``src`` (the same logits), in the
     form GPTQModel 7.6.0 agrees to quantize the head of (it refuses a tied one). A source whose
     head is already untied is returned as it is."""
-    from cpu_quant.formats.safetensors_sink import untie_head
-    from cpu_quant.io.artifact import copy_tokenizer_files, write_json_atomic
-    from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.io.safetensors_writer import write_safetensors
+    from cpu_quant.core.io.artifact import copy_tokenizer_files, write_json_atomic
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.safetensors_writer import write_safetensors
+    from cpu_quant.formats.safetensors import untie_head
 
     ckpt = open_checkpoint(src)
     if "lm_head.weight" in ckpt.names and ckpt.config.get("tie_word_embeddings") is not True:
@@ -168,8 +168,8 @@ def untied_copy(src: Path, dst: Path) -> Path:
 def matched_dynamic(src: Path, group: int) -> dict:
     """The ``dynamic`` rules cpu-quant's default calibrated run of ``--group GROUP`` gives this
     model's decoder linears (head excluded): the down projections' own group included."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
     from cpu_quant.quantize.plan import dynamic_overrides, linear_group, plan_linear
     from cpu_quant.quantize.settings import QuantSettings
 
@@ -195,9 +195,10 @@ def head_dynamic(src: Path, group: int) -> dict:
     Bits and symmetry are stated, not left to the top level: GPTQModel 7.6.0 gives a head that
     no ``dynamic`` rule matches its own 8-bit group-32 config (``looper/module_looper.py``,
     ``lm_head_quant_config``, applied when ``dynamic_get(lm_head) is None``)."""
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.naming import HEAD_NAME
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
-    from cpu_quant.quantize.plan import HEAD_NAME, dynamic_overrides, head_group, plan_linear
+    from cpu_quant.quantize.plan import dynamic_overrides, head_group, plan_linear
     from cpu_quant.quantize.settings import QuantSettings
 
     limits = get_format("gptq").limits
@@ -224,7 +225,7 @@ def gptq_artifact_bits(path: Path) -> dict:
     (a symmetric checkpoint's ``qzeros`` are a constant, not information). Layers kept in
     float are not counted: this is the bits per *quantized* weight.
     """
-    from cpu_quant.io.checkpoint import open_checkpoint
+    from cpu_quant.core.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     qcfg = ckpt.config.get("quantization_config") or {}

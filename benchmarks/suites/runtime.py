@@ -16,7 +16,7 @@ Arms (baseline ``bf16``):
 ``bf16``      the demo model's checkpoint (vLLM's unquantized CPU GEMM)
 ``gptq``      ``cpu-quant``'s GPTQ layout as users serve it (the head in groups of 32, as
               ``cpu-quant gptq`` writes it by default): the cpu_quant plugin installed, no
-              switch set, so the kernel this CPU's row of ``cpu_quant.probe.KERNEL_TABLE``
+              switch set, so the kernel this CPU's row of ``cpu_quant.formats.kernels.KERNEL_TABLE``
               names (tinygemm on x86 without AMX; its log must hold the plugin's per-layer-type
               tinygemm line, or vLLM's ``CPUWNA16LinearKernel`` line where the row keeps vLLM's)
 ``gptq_head128``  the ``gptq`` layout with the head in the run's group (``--head-group 128``;
@@ -73,7 +73,8 @@ SMOKE = {"decode_tokens": 8, "prompt_len": 32, "eager": True}
 def stock_gptq_kernel_missing() -> str | None:
     """Why stock vLLM cannot run the ``gptq_stock`` arm on this CPU, or None when it can
     (``cpu_quant.probe.stock_vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
-    from cpu_quant.probe import read_machine, stock_vllm_gptq_unavailable
+    from cpu_quant.core.cpu import read_machine
+    from cpu_quant.probe import stock_vllm_gptq_unavailable
 
     return stock_vllm_gptq_unavailable(read_machine())
 

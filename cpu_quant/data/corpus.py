@@ -20,7 +20,7 @@ import json
 import logging
 from pathlib import Path
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 logger = logging.getLogger("cpu_quant.data")
 

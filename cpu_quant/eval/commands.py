@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..cli_conventions import RunConventions, json_text, stdout_for_json
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 from ..hub import resolve_checkpoint
 from .settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings
 
@@ -45,7 +45,7 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
                             "save the reference's logits only")
     ref_path = resolve_checkpoint(reference, "--reference") if reference else None
     settings.validate()
-    from ..io.artifact import check_destination
+    from ..core.io.artifact import check_destination
 
     for written in (output_json, save_reference):  # before minutes of evaluation, not after
         if written:
@@ -75,7 +75,7 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
         doc["provenance"] = _eval_provenance(settings)
         emit(doc)
     if output_json:
-        from ..io.artifact import write_text_atomic
+        from ..core.io.artifact import write_text_atomic
 
         try:
             write_text_atomic(Path(output_json), json_text(doc) + "\n")

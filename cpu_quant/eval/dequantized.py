@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
-from ..formats import format_for_quant_method
-from ..io.checkpoint import (
+from ..core.errors import CpuQuantError
+from ..core.io.checkpoint import (
     Checkpoint,
     check_config_sizes,
     check_float_weights,
@@ -24,6 +23,7 @@ from ..io.checkpoint import (
     open_checkpoint,
     tensors_disagree,
 )
+from ..formats import format_for_quant_method
 
 
 def _dynamic_bits(qcfg: dict, module: str) -> int | None:

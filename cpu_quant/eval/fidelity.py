@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core.errors import CpuQuantError
+from ..core.io.checkpoint import load_tokenizer, model_context, open_checkpoint
 from ..data.corpus import load_texts, token_windows
-from ..errors import CpuQuantError
-from ..io.checkpoint import load_tokenizer, model_context, open_checkpoint
 from ..quantize.hessians import int8_per_token
 from . import stats
 from .reference_logits import (
@@ -363,7 +363,7 @@ def model_bytes(path: str | Path, dtype: torch.dtype) -> int:
     head untied), from the tensor shapes alone."""
     import math
 
-    from ..io.checkpoint import open_checkpoint
+    from ..core.io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     try:
@@ -397,7 +397,7 @@ def plan_memory(reference_path, quantized_path, dtype: torch.dtype,
     """Both models side by side in ``dtype`` where they fit in the available memory (the
     default, and every result published for the small models); else the reference first, then
     the quantized model; else both in bf16, one after the other, which the note says."""
-    from ..memory import available_bytes
+    from ..core.memory import available_bytes
 
     available = available_bytes() if available is None else available
     ref = model_bytes(reference_path, dtype) if reference_path is not None else 0

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 FORMAT = "cpu-quant-reference-logits/1"
 
@@ -108,7 +108,7 @@ class SavedReference:
 
 
 def save_reference(path: str | Path, ref: SavedReference) -> int:
-    from ..io.safetensors_writer import write_safetensors
+    from ..core.io.safetensors_writer import write_safetensors
 
     head = ref.per_window[0].head
     if torch.equal(head.bfloat16().to(head.dtype), head):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 
 @dataclass

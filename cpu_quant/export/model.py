@@ -30,19 +30,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CpuQuantError
-from ..io.checkpoint import Checkpoint, open_checkpoint, read_config
+from ..core.errors import CpuQuantError
+from ..core.io.checkpoint import Checkpoint, open_checkpoint, read_config
+from .graph import GraphShape
 
-if TYPE_CHECKING:
-    from .runner import GraphShape
-
-MASK_VALUE = -255.0
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
 # RoPE variants whose tables do not depend on the sequence length seen at run time.

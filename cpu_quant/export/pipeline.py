@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 
+from ..core.errors import CpuQuantError, Interrupted, VerificationFailed
+from ..core.io.artifact import StagedOutput, check_destination
+from ..core.io.checkpoint import check_config_sizes, check_float_weights, load_tokenizer, open_checkpoint
+from ..core.smoothing_factors import load_factors
 from ..data.corpus import load_texts
-from ..errors import CpuQuantError, Interrupted, VerificationFailed
-from ..io.artifact import StagedOutput, check_destination
-from ..io.checkpoint import check_config_sizes, check_float_weights, load_tokenizer, open_checkpoint
-from ..quantize.smooth_fold import load_factors
 from . import qnn, readback, xnnpack
 from . import weights as phone_weights
+from .graph import GraphShape
 from .model import (
     StaticCausalLM,
     check_max_seq_len,
@@ -48,7 +49,7 @@ from .model import (
     use_mean4d_norms,
 )
 from .report import count_ops, float32_bytes, json_safe, provenance, sha256_file
-from .runner import GraphShape, StaticKVRunner
+from .runner import StaticKVRunner
 from .smooth import smooth_static_lm
 from .verify import PROMPTS, pte_step_functions, score_heldout, screen, verify
 

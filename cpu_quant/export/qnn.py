@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from .graph import GraphShape
 from .model import export_methods
-from .runner import GraphShape, StaticKVRunner
+from .runner import StaticKVRunner
 
 QNN_SCHEMES = ("w8a16", "16a4w")
 DEFAULT_SOC = "SM8650"

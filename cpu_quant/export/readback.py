@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 XNN_HEADER_MAGIC = b"XH00"
 QCINT8, QCINT4, QBINT4 = "xnn_datatype_qcint8", "xnn_datatype_qcint4", "xnn_datatype_qbint4"

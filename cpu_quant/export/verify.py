@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .runner import GraphShape, StaticKVRunner, StepFn
+from .graph import GraphShape, StepFn
+from .runner import StaticKVRunner
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError
-from ..quantize.grid import QZERO, GroupQuant
+from ..core.errors import CpuQuantError
+from ..core.grid import QZERO, GroupQuant
 from ..quantize.scale_search import INT4, INT8, SignedLevels, quantize_signed, search_symmetric_scales
 
 HEAD = "lm_head"
@@ -194,8 +194,8 @@ def weights_from_gptq(model: nn.Module, results: dict[str, GroupQuant],
 def read_group_quants(path: str | Path) -> tuple[dict[str, GroupQuant], dict]:
     """Every quantized linear of a ``cpu-quant gptq`` artifact, by static-graph name, through
     the formats registry; and its ``quantization_config``."""
+    from ..core.io.checkpoint import open_checkpoint
     from ..formats import format_for_quant_method
-    from ..io.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
     try:
@@ -220,8 +220,8 @@ def check_same_source(quantized: str | Path, src: str | Path) -> None:
     """The artifact's float tensors (embedding, norms) must be the source's, bit for bit (of a
     ``gptq --smooth`` artifact: the source's folded with its factors): codes from another model
     would otherwise pass every shape check."""
-    from ..io.checkpoint import open_checkpoint
-    from ..quantize.smooth_fold import load_factors, smoothed_source
+    from ..core.io.checkpoint import open_checkpoint
+    from ..core.smoothing_factors import load_factors, smoothed_source
 
     art, ref = open_checkpoint(quantized), open_checkpoint(src)
     try:
@@ -249,8 +249,8 @@ def fold_smoothing(model: nn.Module, src: str | Path, factors: dict[str, torch.T
     tensor its folds change, read from the source through the same folds (the norms in bf16,
     as the artifact stores them). The float reference is a copy taken before. Returns how many
     tensors changed."""
-    from ..io.checkpoint import open_checkpoint
-    from ..quantize.smooth_fold import HEAD, smoothed_source
+    from ..core.io.checkpoint import open_checkpoint
+    from ..core.smoothing_factors import HEAD, smoothed_source
 
     view = smoothed_source(open_checkpoint(src), factors, "the quantized artifact")
     changed = 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 from .verify import executorch_runtime, snr_db
 from .weights import LinearWeights, PhoneWeights, int8_per_channel
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from . import cpu_int4, gguf, gptq  # noqa: F401  (registration)
 from .base import (
-    ArtifactInfo,
     Format,
     Limits,
-    SafetensorsFormat,
-    Sink,
     TensorSpec,
     combined_limits,
     format_for_quant_method,
@@ -26,6 +23,8 @@ from .base import (
     get_format,
     parse_formats,
 )
+from .safetensors import SafetensorsFormat
+from .sink import ArtifactInfo, Sink
 
 __all__ = [
     "ArtifactInfo", "Format", "Limits", "SafetensorsFormat", "Sink", "TensorSpec",

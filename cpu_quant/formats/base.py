@@ -5,27 +5,28 @@ gguf-py's quant types). It owns its byte layout, its limits (:class:`Limits`, wh
 asks before any work) and a *sink*: the object the pipeline hands each quantization result to.
 One run writes one :class:`GroupQuant` per linear to as many sinks as formats were asked for.
 
-Safetensors formats (``gptq``, ``cpu_int4``) share :class:`SafetensorsFormat`: per quantized
-linear ``<m>`` a fixed set of tensors ``<m>.<suffix>`` (:class:`TensorSpec`, also what
-``verify`` checks), ``pack``/``unpack`` between those tensors and a :class:`GroupQuant`, and the
-``quantization_config`` written into ``config.json``.
+Safetensors formats (``gptq``, ``cpu_int4``) share ``formats.safetensors.SafetensorsFormat``:
+per quantized linear ``<m>`` a fixed set of tensors ``<m>.<suffix>`` (:class:`TensorSpec`, also
+what ``verify`` checks), ``pack``/``unpack`` between those tensors and a :class:`GroupQuant`, and
+the ``quantization_config`` written into ``config.json``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..errors import CpuQuantError
-from ..quantize.grid import GroupQuant
+from ..core.errors import CpuQuantError
+from ..core.grid import GroupQuant
+from .sink import ArtifactInfo, Sink
 
 if TYPE_CHECKING:
-    from ..io.checkpoint import Checkpoint
+    pass
 
 REGISTRY: dict[str, type[Format]] = {}
 
@@ -85,42 +86,6 @@ def combined_limits(formats: list[Format]) -> Limits:
     )
 
 
-@dataclass
-class ArtifactInfo:
-    """What a sink needs at the end of a run to write its config and metadata."""
-
-    source: Path
-    source_config: dict
-    default_group: int
-    head_quantized: bool
-    dynamic: dict[str, dict]
-    symmetric: bool
-    extra: dict = field(default_factory=dict)  # provenance for the quantization config
-    report: dict = field(default_factory=dict)  # quantization_report.json
-
-
-class Sink:
-    """Where one format's share of a run goes. ``end_layer`` persists what it has so far (the
-    run's resume point names it in ``state()``); ``finish`` writes the rest."""
-
-    def add_module(self, module: str, gq: GroupQuant) -> int:
-        """Take one quantized linear; return the bytes it stores."""
-        raise NotImplementedError
-
-    def add_tensor(self, name: str, tensor: torch.Tensor) -> int:
-        """Take one float tensor (bf16), by its Hugging Face name; return its bytes."""
-        raise NotImplementedError
-
-    def end_layer(self, index: int) -> None:
-        raise NotImplementedError
-
-    def state(self) -> dict:
-        return {}
-
-    def finish(self, info: ArtifactInfo) -> None:
-        raise NotImplementedError
-
-
 class Format:
     """An on-disk format. Subclasses register with ``class X(Format, name="x")``."""
 
@@ -170,73 +135,6 @@ class Format:
         return None
 
 
-# -- safetensors formats ------------------------------------------------------------------------
-class SafetensorsFormat(Format):
-    """A format of per-module safetensors tensors plus ``quantization_config`` in config.json."""
-
-    tensors: ClassVar[tuple[TensorSpec, ...]]
-    marker: ClassVar[str]  # the tensor whose shape gives N and K
-    scales_suffix: ClassVar[str]
-    scales_group_axis: ClassVar[int]  # the axis of the scales tensor that counts the groups
-    head_kernel: ClassVar[str]  # the kernel a bf16 head slows down, named by verify
-    # what verify accepts (its readers may take more than the writer writes); None: ``limits``
-    verify_groups: ClassVar[tuple[int, ...] | None] = None
-    verify_k_multiple: ClassVar[int | None] = None
-    verify_n_multiple: ClassVar[int | None] = None
-    bits: ClassVar[tuple[int, ...]] = (4,)
-
-    @property
-    def suffixes(self) -> tuple[str, ...]:
-        return tuple(t.suffix for t in self.tensors)
-
-    def tensor_spec(self, suffix: str) -> TensorSpec:
-        return next(t for t in self.tensors if t.suffix == suffix)
-
-    def dims_from_marker(self, shape: tuple[int, ...], bits: int) -> tuple[int, int]:
-        """(N, K) of a module from its marker tensor's shape."""
-        raise NotImplementedError
-
-    def pack(self, gq: GroupQuant, module: str = "module") -> dict[str, torch.Tensor]:
-        """One quantization result as this format's tensors (suffix -> tensor)."""
-        raise NotImplementedError
-
-    def unpack(self, tensors: dict[str, torch.Tensor], qcfg: dict, module: str = "module"
-               ) -> GroupQuant:
-        """This format's tensors of one module back to the quantization result, exactly."""
-        raise NotImplementedError
-
-    def dequantize(self, tensors: dict[str, torch.Tensor], qcfg: dict) -> torch.Tensor:
-        """A faithful float32 [N, K] reading of one module, for eval (foreign files included)."""
-        return self.unpack(tensors, qcfg).dequantize()
-
-    def quantization_config(self, info: ArtifactInfo) -> dict:
-        raise NotImplementedError
-
-    def read_tensors(self, ckpt: Checkpoint, module: str) -> dict[str, torch.Tensor]:
-        return {s: ckpt.tensor(f"{module}.{s}") for s in self.suffixes if f"{module}.{s}" in ckpt.files}
-
-    def modules(self, ckpt: Checkpoint) -> list[str]:
-        suffix = "." + self.marker
-        return sorted(n[: -len(suffix)] for n in ckpt.names if n.endswith(suffix))
-
-    def checkpoint_format(self, qcfg: dict) -> str | None:
-        """The sub-format a config declares (GPTQ's zero convention), if the format has one."""
-        return None
-
-    def config_findings(self, qcfg: dict) -> Iterator:
-        """Format-specific problems of ``quantization_config`` (verify's Finding objects)."""
-        return iter(())
-
-    def module_findings(self, ctx, mod) -> Iterator:
-        """Format-specific checks of one module's stored values (verify's Finding objects)."""
-        return iter(())
-
-    def open_sink(self, directory: Path, n_layers: int, resume_state: dict | None) -> Sink:
-        from .safetensors_sink import SafetensorsSink
-
-        return SafetensorsSink(self, directory, n_layers, resume_state)
-
-
 # -- the registry ---------------------------------------------------------------------------------
 def get_format(name: str) -> Format:
     try:
@@ -249,7 +147,7 @@ def format_names() -> list[str]:
     return sorted(REGISTRY)
 
 
-def format_for_quant_method(quant_method: str | None) -> SafetensorsFormat | None:
+def format_for_quant_method(quant_method: str | None) -> Format | None:
     """The safetensors format whose config says ``quant_method``, or None."""
     for cls in REGISTRY.values():
         if quant_method in cls.quant_methods:

@@ -23,7 +23,7 @@ tensor              dtype     shape       content
 Dequantization: ``w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``, in float32
 (the product is exact; the sum is rounded once), which is what the kernel computes. The
 symmetric grid (``--sym``, or a GPTQ repack) is the special case ``zero == 0``. Scales may be
-negative (see ``quantize/grid.py``).
+negative (see ``core/grid.py``).
 
 ``quantization_config`` (in ``config.json``):
 
@@ -72,9 +72,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CpuQuantError
-from ..quantize.grid import QZERO, GroupQuant
-from .base import ArtifactInfo, Limits, SafetensorsFormat, TensorSpec
+from ..core.errors import CpuQuantError
+from ..core.grid import QZERO, GroupQuant
+from .base import Limits, TensorSpec
+from .safetensors import SafetensorsFormat
+from .sink import ArtifactInfo
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
@@ -214,7 +216,7 @@ class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
 
     def module_findings(self, ctx):
         """With sym true, every weight_zero must be 0."""
-        from ..verify.findings import error
+        from ..core.findings import error
 
         for mod in ctx.modules.values():
             tname = mod.tensors.get("weight_zero")

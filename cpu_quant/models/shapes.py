@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 VERSION = 1  # bump when the weights' recipe changes: the cache key follows
 SHARD_BYTES = 2 * 1024 ** 3
@@ -138,7 +138,7 @@ def _shapes_of(config: dict) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoConfig
 
-    from ..io.checkpoint import empty_causal_lm
+    from ..core.io.checkpoint import empty_causal_lm
 
     hf = AutoConfig.for_model(**copy.deepcopy(config))  # transformers edits rope_scaling in place
     model = empty_causal_lm(hf, torch.bfloat16)
@@ -154,8 +154,8 @@ def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int 
     generation config and the demo tokenizer), through a staging directory."""
     from tqdm import tqdm
 
-    from ..io.artifact import copy_tokenizer_files, write_json_atomic, write_shard_index_at
-    from ..io.safetensors_writer import write_safetensors
+    from ..core.io.artifact import copy_tokenizer_files, write_json_atomic, write_shard_index_at
+    from ..core.io.safetensors_writer import write_safetensors
 
     config = shape.config()
     tok_cfg = json.loads((demo_src / "config.json").read_text())

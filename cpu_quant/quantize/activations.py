@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..errors import CpuQuantError
-from ..io.safetensors_writer import write_safetensors
+from ..core.errors import CpuQuantError
+from ..core.io.safetensors_writer import write_safetensors
 
 ACTIVATIONS_DIR = "activations"
 

@@ -59,10 +59,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CpuQuantError
-from ..io.artifact import StagedOutput
+from ..core.errors import CpuQuantError
+from ..core.grid import GroupQuant
+from ..core.io.artifact import StagedOutput
 from . import schedule
-from .grid import GroupQuant
 from .hessians import GramSum
 from .schedule import LOCAL_ROWS, Piece, RowShare
 from .settings import DEFAULT_RANK_TIMEOUT

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import QMAX, QMIN, QZERO, GroupQuant, grouped, quantize_codes
+from ..core.grid import QMAX, QMIN, QZERO, GroupQuant, grouped, quantize_codes
 from .scale_search import absmax_scales, search_asymmetric_scales, search_symmetric_scales
 
 DAMP_STEPS = (1.0, 3.0, 10.0, 30.0, 100.0)

@@ -10,7 +10,7 @@ head is quantized last, with the Hessian of the final normed hidden state. Outpu
 ``io.artifact.StagedOutput``: nothing appears at ``dst`` until every format is written.
 
 Memory: after every layer the allocator's free memory is handed back, and glibc's mmap
-threshold is pinned for the run (``cpu_quant.memory``).
+threshold is pinned for the run (``cpu_quant.core.memory``).
 
 A distributed run (``distributed.py``) runs this same driver on every rank; its ``Team`` gives
 each rank its share of the calibration batches, sums the Hessians across the ranks in the one
@@ -32,40 +32,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.corpus import load_texts
-from ..errors import CpuQuantError, Interrupted
-from ..formats import ArtifactInfo, Format, combined_limits, get_format
-from ..formats.base import Limits, SinkSet
-from ..io.artifact import StagedOutput, check_destination, write_json_atomic
-from ..io.checkpoint import (
+from ..core import smoothing_factors
+from ..core.errors import CpuQuantError, Interrupted
+from ..core.io.artifact import StagedOutput, check_destination, write_json_atomic
+from ..core.io.checkpoint import (
     check_config_sizes,
     check_float_weights,
     load_tokenizer,
     model_context,
     open_checkpoint,
 )
-from ..memory import (
+from ..core.memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
     _env_mmap_threshold,
     pin_mmap_threshold,
     release_free_heap,
 )
+from ..core.naming import HEAD_NAME
+from ..data.corpus import load_texts
+from ..formats import ArtifactInfo, Format, combined_limits, get_format
+from ..formats.base import Limits, SinkSet
 from . import smooth_fold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
 from .clock import PhaseClock
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
-from .plan import (
-    HEAD_NAME,
-    LinearPlan,
-    check_group,
-    dynamic_overrides,
-    head_group,
-    linear_group,
-    plan_linear,
-)
+from .plan import LinearPlan, check_group, dynamic_overrides, head_group, linear_group, plan_linear
 from .provenance import provenance
 from .resume import (
     STATE_FILE,
@@ -222,8 +216,8 @@ class LayerQuantizer:
             if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
                 continue
             self.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
-        if isinstance(ckpt, smooth_fold.SmoothedCheckpoint) and head_plan.quantize:
-            head_w = ckpt.head_tensor(stream.head_weight_name(), smooth_fold.HEAD, check_finite=True)
+        if isinstance(ckpt, smoothing_factors.SmoothedCheckpoint) and head_plan.quantize:
+            head_w = ckpt.head_tensor(stream.head_weight_name(), smoothing_factors.HEAD, check_finite=True)
         else:
             head_w = ckpt.tensor(stream.head_weight_name(), check_finite=True)
         hidden_size = head_w.shape[1]
@@ -332,11 +326,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
             t_smooth = time.perf_counter()
             groups = {f"{p.name}.weight": p.effective_group
                       for plans in layer_plans for p in plans.values()}
-            groups[smooth_fold.HEAD] = head_plan.effective_group
+            groups[smoothing_factors.HEAD] = head_plan.effective_group
             folds, factors, choices = smooth_fold.plan_smoothing(
                 LayerStream(ckpt), batches[:smooth_fold.STATS_BATCHES], groups.__getitem__,
-                smooth_fold.HEAD if head_plan.quantize else None, progress, team)
-            ckpt = smooth_fold.SmoothedCheckpoint(ckpt, folds, factors)
+                smoothing_factors.HEAD if head_plan.quantize else None, progress, team)
+            ckpt = smoothing_factors.SmoothedCheckpoint(ckpt, folds, factors)
             stream = LayerStream(ckpt)
             # the statistics pass's model and the unfolded stream's sit in reference cycles:
             # free them, and the heap they left, before the quantization pass allocates its own
@@ -508,7 +502,7 @@ def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: 
     shutil.rmtree(out.path(ACTIVATIONS_DIR), ignore_errors=True)
     if factors is not None:  # beside every format's weights (verify --source, export-phone)
         for directory in sinks.directories.values():
-            smooth_fold.save_factors(directory / smooth_fold.FACTORS_FILE, factors)
+            smoothing_factors.save_factors(directory / smoothing_factors.FACTORS_FILE, factors)
     sinks.finish(info)
     kill_point("commit")
     final = out.commit()

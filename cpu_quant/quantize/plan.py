@@ -25,15 +25,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from ..core.naming import DOWN_LEAF, VLLM_FUSED
 from ..formats.base import Limits
 
 if TYPE_CHECKING:
     from .settings import QuantSettings
 
-# vLLM fuses these HF projections into one module; its `dynamic` regexes see the fused name.
-VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-HEAD_NAME = "lm_head"
 # The head's default group under calibrated symmetric GPTQ when ``--group`` is larger. On the
 # demo model it cut held-out KL from 0.0928 to 0.0878 (W4A8: 0.1065 to 0.1017) with smoothing
 # folded in, for 1.1 MB more scales (fidelity-20261204T185718Z.json).
@@ -44,7 +42,6 @@ HEAD_GROUP = 32
 # to 0.0840 and W4A8 KL from 0.1031 to 0.0975, and lowered both on a tiny model of every
 # architecture (docs/results.md, fidelity), for 1/16 bit more per down-projection weight.
 DOWN_GROUP = 64
-DOWN_LEAF = "mlp.down_proj"
 
 
 @dataclass(frozen=True)
@@ -194,12 +191,3 @@ def dynamic_overrides(plans: list[LinearPlan], default_group: int) -> dict[str, 
     return rules
 
 
-def group_for_module(dynamic: dict[str, dict], name: str, default_group: int) -> int | None:
-    """The group a consumer applying ``dynamic`` (first match wins) gives ``name``; None = skip."""
-    for pattern, override in dynamic.items():
-        if pattern.startswith("-:"):
-            if re.match(pattern[2:], name):
-                return None
-        elif re.match(pattern.removeprefix("+:"), name):
-            return int(override.get("group_size", default_group))
-    return default_group

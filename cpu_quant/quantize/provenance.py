@@ -25,7 +25,7 @@ def _git_sha() -> str | None:
 def provenance(src: Path) -> dict:
     import transformers
 
-    from .. import __version__
+    from ..core import __version__
 
     return {
         "source": str(src),

@@ -29,11 +29,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..errors import CpuQuantError
-from ..io.artifact import StagedOutput
-from ..io.safetensors_writer import write_safetensors
+from ..core.errors import CpuQuantError
+from ..core.grid import GroupQuant
+from ..core.io.artifact import StagedOutput
+from ..core.io.safetensors_writer import write_safetensors
 from .activations import ACTIVATIONS_DIR, DiskActivations
-from .grid import GroupQuant
 from .settings import QuantSettings
 from .signals import kill_point
 from .streaming import compute_dtype

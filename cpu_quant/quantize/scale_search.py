@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grid import QMAX, QMIN, QZERO, dequantize_codes, quantize_codes, round_scale
+from ..core.grid import QMAX, QMIN, QZERO, dequantize_codes, quantize_codes, round_scale
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Protocol
 
 import torch
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from ..core.grid import GroupQuant
 from .gptq import (
     GPTQStats,
     GridSpec,
@@ -30,7 +31,6 @@ from .gptq import (
     snr_db,
     weighted_error_terms,
 )
-from .grid import GroupQuant
 from .plan import LinearPlan
 from .settings import QuantSettings, TensorReport
 

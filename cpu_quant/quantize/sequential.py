@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from ..io.safetensors_writer import write_safetensors
+from ..core.io.safetensors_writer import write_safetensors
 from .hessians import GramSum, NewGramSum
 from .streaming import STORAGE_DTYPE, LayerDone
 

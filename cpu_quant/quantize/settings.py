@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 METHODS = ("gptq", "rtn")
 DEFAULT_RANK_TIMEOUT = 1800.0  # a distributed rank's wait for the others, in seconds (gloo's default)

@@ -1,7 +1,7 @@
 """SIGINT and SIGTERM during a run, and the testing hook that kills a run at a named event.
 
 While a run computes (calibration, the layers, the output head) the first SIGINT or SIGTERM
-raises :class:`~cpu_quant.errors.Interrupted` at once, wherever the main thread is: the resume
+raises :class:`~cpu_quant.core.errors.Interrupted` at once, wherever the main thread is: the resume
 point on disk only ever advances by whole layers (the state file is written after the layer's
 shards and activations, each by rename), so stopping mid-layer loses at most that layer's
 work, like a ``kill -9``, and the message says which layers are saved. While the finished
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from ..errors import Interrupted
+from ..core.errors import Interrupted
 
 
 class StopRequest:

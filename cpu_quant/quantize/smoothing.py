@@ -16,18 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.smoothing_factors import row_blocks
+
 DEFAULT_ALPHA = 0.5
-
-
-# elements of one block of a weight's rows: temporaries stay bounded whatever the weight (an
-# 8B model's head is 525M weights, 2 GiB per float32 copy)
-BLOCK_ELEMENTS = 1 << 24
-
-
-def row_blocks(w: torch.Tensor) -> list[slice]:
-    """``w``'s rows in blocks of at most :data:`BLOCK_ELEMENTS` elements."""
-    rows = max(1, BLOCK_ELEMENTS // max(1, w.shape[1]))
-    return [slice(r, min(r + rows, w.shape[0])) for r in range(0, w.shape[0], rows)]
 
 
 def column_absmax(w: torch.Tensor) -> torch.Tensor:

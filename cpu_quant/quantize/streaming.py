@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CpuQuantError
-from ..io.checkpoint import Checkpoint, empty_causal_lm, load_hf_config, tensors_disagree
+from ..core.errors import CpuQuantError
+from ..core.io.checkpoint import Checkpoint, empty_causal_lm, load_hf_config, tensors_disagree
 
 STORAGE_DTYPE = torch.bfloat16
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,

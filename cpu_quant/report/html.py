@@ -15,8 +15,8 @@ import re
 from html import escape
 from pathlib import Path
 
-from ..errors import CpuQuantError
-from ..io.artifact import write_text_atomic
+from ..core.errors import CpuQuantError
+from ..core.io.artifact import write_text_atomic
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf"]

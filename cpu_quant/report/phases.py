@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..memory import anon_rss_bytes
+from ..core.memory import anon_rss_bytes
 
 
 class PhaseMeter:

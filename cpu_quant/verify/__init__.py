@@ -8,7 +8,7 @@
 * ``commands.py``: the click commands ``verify``, ``inspect`` and ``probe`` (the device probe
   itself lives in :mod:`cpu_quant.probe`).
 
-The names below are loaded on first use, so importing ``cpu_quant.verify.findings`` does not
+The names below are loaded on first use, so importing ``cpu_quant.core.findings`` does not
 import the checks (which import the formats registry).
 """
 

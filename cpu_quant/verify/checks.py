@@ -4,7 +4,7 @@
 :class:`Finding` (severity ``error`` | ``warning`` | ``info``, the check, the tensor, a one-line
 message). Nothing is loaded as a model: shapes and dtypes come from the safetensors headers, and
 only small tensors (``qzeros``, ``g_idx``, ``weight_zero``) and float tensors (for NaN/Inf) are
-read, one at a time through the memory-mapped handles of :mod:`cpu_quant.io.checkpoint`.
+read, one at a time through the memory-mapped handles of :mod:`cpu_quant.core.io.checkpoint`.
 
 Format knowledge comes from the formats registry (:mod:`cpu_quant.formats`): each safetensors
 format gives its tensor suffixes, dtypes, shapes as functions of out-features ``N``, in-features
@@ -16,7 +16,7 @@ cpu_int4's zeros). Accepted groups: GPTQ -1/32/64/128 with ``K`` and ``N`` multi
 
 Which module gets which group follows ``quantization_config.dynamic`` with vLLM's and
 GPTQModel's semantics (``re.match``, first rule wins, ``-:`` = left unquantized), through
-:func:`cpu_quant.quantize.plan.group_for_module`.
+:func:`cpu_quant.core.naming.group_for_module`.
 
 The expected tensor names come from the model's architecture, built by transformers on the meta
 device (no memory, no weights); when transformers cannot build it, the check falls back to
@@ -33,7 +33,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from ..core.findings import SEVERITIES, Finding
+from ..core.findings import error as _err
+from ..core.findings import info as _info
+from ..core.findings import warning as _warn
+from ..core.io.checkpoint import Checkpoint, open_checkpoint, parse_json
+from ..core.naming import HEAD_NAME, VLLM_FUSED, group_for_module
 from ..formats import (
     SafetensorsFormat,
     format_for_quant_method,
@@ -41,12 +47,6 @@ from ..formats import (
     format_owning,
     get_format,
 )
-from ..io.checkpoint import Checkpoint, open_checkpoint, parse_json
-from ..quantize.plan import HEAD_NAME, VLLM_FUSED, group_for_module
-from .findings import SEVERITIES, Finding
-from .findings import error as _err
-from .findings import info as _info
-from .findings import warning as _warn
 
 __all__ = ["SEVERITIES", "Finding", "VerifyReport", "verify_checkpoint"]
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}

@@ -21,7 +21,7 @@ import click
 
 from ..cli_conventions import json_option, json_text
 from ..cli_support import friendly_errors
-from .findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
+from ..core.findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 

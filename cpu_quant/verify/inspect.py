@@ -24,10 +24,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from ..core.io.checkpoint import open_checkpoint
+from ..core.naming import HEAD_NAME
 from ..formats import format_owning
-from ..io.checkpoint import open_checkpoint
-from ..quantize.plan import HEAD_NAME
 from .checks import (
     DTYPE_BYTES,
     config_unusable,

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
+from ..core.errors import CpuQuantError
+from ..core.findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
+from ..core.findings import Finding, error
+from ..core.io.checkpoint import Checkpoint, check_float_weights, open_checkpoint
+from ..core.naming import HEAD_NAME
+from ..core.smoothing_factors import HEAD, SmoothedCheckpoint, load_factors, smoothed_source
 from ..formats import format_for_quant_method, format_owning
-from ..io.checkpoint import Checkpoint, check_float_weights, open_checkpoint
-from ..quantize.plan import HEAD_NAME
-from ..quantize.smooth_fold import HEAD, SmoothedCheckpoint, load_factors, smoothed_source
-from .findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
-from .findings import Finding, error
 
 WORST_SHOWN = 5
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_quant.errors import CpuQuantError
+from cpu_quant.core.errors import CpuQuantError
+from cpu_quant.core.grid import GroupQuant
 from cpu_quant.formats import gguf as G
 from cpu_quant.models.tiny import make_tiny_model
-from cpu_quant.quantize.grid import GroupQuant
 from tests.helpers.gguf_rtn import feed, info_for, rtn_results, write_gguf
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -323,8 +323,8 @@ def test_one_run_writes_the_same_codes_to_every_format(demo_formats: Path) -> No
     as four blocks of 32)."""
     from safetensors import safe_open
 
+    from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.io.checkpoint import open_checkpoint
 
     gptq, int4 = get_format("gptq"), get_format("cpu_int4")
     a, b = open_checkpoint(demo_formats / "gptq"), open_checkpoint(demo_formats / "cpu_int4")

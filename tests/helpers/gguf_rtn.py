@@ -11,11 +11,11 @@ import json
 import re
 from pathlib import Path
 
-from cpu_quant.formats.base import ArtifactInfo
+from cpu_quant.core.grid import GroupQuant
+from cpu_quant.core.io.checkpoint import open_checkpoint
 from cpu_quant.formats.gguf import GGUFFormat, GGUFSink
-from cpu_quant.io.checkpoint import open_checkpoint
+from cpu_quant.formats.sink import ArtifactInfo
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
-from cpu_quant.quantize.grid import GroupQuant
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -42,7 +42,8 @@ def stock_vllm_gptq_path() -> str:
 def vllm_gptq_path() -> str:
     """The same with the cpu_quant plugin on (no switch set): W4A16 where its kernel table puts
     GPTQ layers on tinygemm (bf16 activations), else vLLM's own choice."""
-    from cpu_quant.probe import local_cpu, serving_kernels
+    from cpu_quant.core.cpu import local_cpu
+    from cpu_quant.formats.kernels import serving_kernels
 
     if serving_kernels(local_cpu(), _w4a8_switch()).gptq_kernel == "tinygemm":
         return "w4a16"

@@ -845,7 +845,7 @@ def _restamp(ws: Workspace, **stamp: str | None) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from cpu_quant.io.safetensors_writer import write_safetensors
+    from cpu_quant.core.io.safetensors_writer import write_safetensors
 
     path = ws.root / HIDDEN
     with safe_open(str(path), framework="pt") as fh:
@@ -1022,8 +1022,8 @@ def _incomplete_logits(ws: Workspace) -> Path:
     """A file that says it was written by --save-reference and holds none of its tensors."""
     import torch
 
+    from cpu_quant.core.io.safetensors_writer import write_safetensors
     from cpu_quant.eval.reference_logits import FORMAT
-    from cpu_quant.io.safetensors_writer import write_safetensors
 
     path = ws.root / "logits.safetensors"
     write_safetensors(path, {"x": torch.zeros(1)}, metadata={"format": FORMAT})

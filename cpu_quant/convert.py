@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CpuQuantError
-from ..io.artifact import StagedOutput, check_destination, write_shard_index
-from ..io.checkpoint import open_checkpoint
-from ..quantize.grid import GroupQuant
-from ..verify.checks import config_unusable, damage, inconsistency
-from .base import ArtifactInfo, SafetensorsFormat, format_for_quant_method, get_format
-from .safetensors_sink import artifact_config
+from .core.errors import CpuQuantError
+from .core.io.artifact import StagedOutput, check_destination, write_shard_index
+from .core.io.checkpoint import open_checkpoint
+from .formats.base import format_for_quant_method, get_format
+from .formats.repack import repack_module
+from .formats.safetensors import SafetensorsFormat, artifact_config
+from .formats.sink import ArtifactInfo
+from .verify.checks import config_unusable, damage, inconsistency
 
 
 @dataclass
@@ -36,37 +37,6 @@ class ConvertReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _same_fields(a: GroupQuant, b: GroupQuant) -> bool:
-    """Same codes, scales, zeros and group: then the dequantizations are equal too (the cheap
-    test; the full comparison decides only when it fails)."""
-    def zeros(gq: GroupQuant) -> torch.Tensor:
-        return torch.zeros_like(gq.scales) if gq.zeros is None else gq.zeros
-
-    return (a.group_size == b.group_size and torch.equal(a.codes, b.codes)
-            and torch.equal(a.scales, b.scales) and torch.equal(zeros(a), zeros(b)))
-
-
-def repack_module(source: SafetensorsFormat, target: SafetensorsFormat,
-                  tensors: dict[str, torch.Tensor], qcfg: dict, module: str
-                  ) -> tuple[GroupQuant, dict[str, torch.Tensor]]:
-    """One module's ``source`` tensors as ``target`` tensors holding the same weights bit for bit
-    (unpacked, packed, unpacked again and dequantized: both readings must be equal), or a
-    :class:`CpuQuantError` naming the module and why not. ``convert`` and
-    ``cpu_quant.load_quantized`` both repack through here."""
-    gq = source.unpack(tensors, qcfg, module)
-    if not bool(torch.isfinite(gq.scales).all()):
-        raise CpuQuantError(f"{module}: a stored scale is NaN or Inf")
-    if gq.zeros is not None and not target.limits.stores_zeros:
-        raise CpuQuantError(f"{module}: the stored zero points are not all 8 (an asymmetric "
-                            f"grid); {target.name} holds only the symmetric grid")
-    packed = target.pack(gq, module)
-    back = target.unpack(packed, {"format_version": 1}, module)
-    if not _same_fields(back, gq) and not torch.equal(back.dequantize(), gq.dequantize()):
-        raise CpuQuantError(f"{module}: {target.name} cannot hold these weights exactly (its "
-                            "stored scales or zeros round them)")
-    return gq, packed
 
 
 def _read_report(path: Path) -> dict:
