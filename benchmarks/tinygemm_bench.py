@@ -80,7 +80,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpu_quant.runtime_patches.gptq_tinygemm import KNOB_LINE as GPTQ_TINYGEMM_KNOB
+from cpu_quant.formats.gptq.vllm_kernel import KNOB_LINE as GPTQ_TINYGEMM_KNOB
 
 from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
 from .peers.gptqmodel_env import PeerInstallError
@@ -413,7 +413,7 @@ def _wna16_layer(n: int, k: int, g: int, w4a8: bool = False):
     )
     from vllm.scalar_type import scalar_types
 
-    from cpu_quant.formats.gptq import pack_gptq_qweight
+    from cpu_quant.formats.gptq.layout import pack_gptq_qweight
 
     if w4a8 and not (torch.cpu._is_amx_tile_supported()
                      and hasattr(torch.ops._C, "int4_scaled_mm_cpu")):
@@ -535,8 +535,8 @@ def kernel_attribution(model: str, src: Path) -> dict:
     dequantize path at each M of ``SWEEP_ROWS``: the measured threshold of the kernel table."""
     import torch
 
-    from cpu_quant import tinygemm_runtime as rt
-    from cpu_quant.formats import cpu_int4 as tp
+    from cpu_quant.formats.cpu_int4 import kernel as rt
+    from cpu_quant.formats.cpu_int4 import layout as tp
 
     config = json.loads((src / "config.json").read_text())
     linears = _decode_linears(config)

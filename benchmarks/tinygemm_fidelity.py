@@ -39,7 +39,7 @@ def shared_embedding_variant(asym: Path, dst: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from cpu_quant.core.io.checkpoint import open_checkpoint
-    from cpu_quant.formats.cpu_int4 import dequantize_cpu_int4
+    from cpu_quant.formats.cpu_int4.layout import dequantize_cpu_int4
 
     ckpt = open_checkpoint(asym)
     emb = next(n for n in ckpt.names if n.endswith("embed_tokens.weight"))

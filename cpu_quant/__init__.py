@@ -25,7 +25,7 @@ for _name in ("torchao", "torch.utils._pytree"):
 
 def load_quantized(path, **kwargs):
     """A transformers model whose linears run PyTorch's tinygemm kernel (``cpu_int4``); see
-    ``cpu_quant.tinygemm_runtime.load_quantized``."""
-    from .tinygemm_runtime import load_quantized as _load
+    ``cpu_quant.formats.cpu_int4.kernel.load_quantized``."""
+    from .formats.cpu_int4.kernel import load_quantized as _load
 
     return _load(path, **kwargs)

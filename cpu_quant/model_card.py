@@ -30,7 +30,7 @@ NO_REPACK_WHY = ("`--no-repack` turns off llama.cpp's weight repacking: on CPUs 
 def serve_command(format_name: str, target: Path) -> tuple[str, str, list[str]]:
     """How to serve an artifact: the runtime, its command, and lines that explain it."""
     if format_name == "gguf":
-        from .formats.gguf import llama_cpp_command
+        from .formats.gguf.format import llama_cpp_command
 
         return "llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)), [NO_REPACK_WHY]
     what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))

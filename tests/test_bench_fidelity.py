@@ -19,7 +19,7 @@ from benchmarks.suites import quantize as q
 from cpu_quant.core.grid import GroupQuant
 from cpu_quant.core.io.safetensors_writer import write_safetensors
 from cpu_quant.core.naming import group_for_module
-from cpu_quant.formats.gptq import gptq_module_tensors
+from cpu_quant.formats.gptq.layout import gptq_module_tensors
 from cpu_quant.quantize.plan import HEAD_GROUP
 
 HEAD_RULE = {"+:(?:lm_head)$": {"bits": 4, "group_size": HEAD_GROUP, "sym": True,

@@ -16,7 +16,7 @@ from cpu_quant.core.io.checkpoint import open_checkpoint
 from cpu_quant.core.naming import group_for_module
 from cpu_quant.eval.dequantized import load_model
 from cpu_quant.eval.fidelity import EvalSettings, _greedy, evaluate_artifact
-from cpu_quant.formats.gptq import dequantize_gptq, unpack_gptq_qzeros
+from cpu_quant.formats.gptq.layout import dequantize_gptq, unpack_gptq_qzeros
 from cpu_quant.quantize.plan import DOWN_GROUP
 
 from .conftest import REPO, needs_stock_vllm_gptq_kernel, read_config
@@ -171,7 +171,7 @@ def test_default_kernel_serves_the_artifact_on_tinygemm_like_its_dequantized_wei
     weights (bf16 activations: the W4A16 tolerance)."""
     from transformers import AutoTokenizer
 
-    from cpu_quant.runtime_patches.gptq_tinygemm import KNOB_LINE
+    from cpu_quant.formats.gptq.vllm_kernel import KNOB_LINE
 
     tok = AutoTokenizer.from_pretrained(gptq_artifact)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cpu_quant"
 # (module prefix, layer); the longest matching prefix wins
 LAYERS: dict[str, int] = {
     "cpu_quant.core": 0, "cpu_quant.data": 0, "cpu_quant.models": 0, "cpu_quant.hub": 0,
-    "cpu_quant.formats": 1, "cpu_quant.tinygemm_runtime": 1, "cpu_quant.runtime_patches": 1,
+    "cpu_quant.formats": 1, "cpu_quant.formats.cpu_int4.kernel": 1, "cpu_quant.runtime_patches": 1,
     "cpu_quant.quantize": 2,
     "cpu_quant.export": 3, "cpu_quant.eval": 3, "cpu_quant.verify": 3, "cpu_quant.report": 3,
     "cpu_quant.convert": 3, "cpu_quant.probe": 3, "cpu_quant.model_card": 3,

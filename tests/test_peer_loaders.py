@@ -60,7 +60,7 @@ from benchmarks.peers import gptqmodel_env
 from cpu_quant.core.io.checkpoint import open_checkpoint
 from cpu_quant.core.naming import group_for_module
 from cpu_quant.eval.dequantized import load_model
-from cpu_quant.formats.gptq import dequantize_gptq
+from cpu_quant.formats.gptq.layout import dequantize_gptq
 from cpu_quant.quantize.plan import DOWN_GROUP
 
 from .conftest import REPO, build_once, run_cli

@@ -31,7 +31,7 @@ import pytest
 
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.core.memory import descendant_pids
-from cpu_quant.runtime_patches import PATCH_MODULES, anon_rss_bytes, switch_state
+from cpu_quant.runtime_patches import anon_rss_bytes, patch_modules, switch_state
 from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
 from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
 
@@ -264,11 +264,10 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     code = textwrap.dedent("""
         import importlib, json
         import vllm.engine.arg_utils  # resolves the platform, as vLLM does before plugins
-        from cpu_quant.runtime_patches import PATCH_MODULES, register
+        from cpu_quant.runtime_patches import patch_modules, register
         first = register()
         second = register()
-        again = [importlib.import_module("cpu_quant.runtime_patches." + m).apply()
-                 for m in PATCH_MODULES]
+        again = [importlib.import_module(m).apply() for m in patch_modules()]
         from vllm.platforms.cpu import CpuPlatform
         wrapped = CpuPlatform.check_and_update_config.__func__
         print("RESULT " + json.dumps({
@@ -282,11 +281,12 @@ def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     names = [o["name"] for o in result["first"]]
-    assert names == ["cpu_int4", *PATCH_MODULES]
+    assert names == ["cpu_int4", "kv_budget", "release_memory", "aot_cache", "gptq_tinygemm"]
+    assert len(patch_modules()) == len(names) - 1
     status = {o["name"]: o["status"] for o in result["first"]}
     assert status["kv_budget"] == "applied" and status["aot_cache"] == "applied"
     assert status["release_memory"] == "deferred"  # no worker module in this process
-    has_int4 = importlib.util.find_spec("cpu_quant.runtime_patches.cpu_int4") is not None
+    has_int4 = importlib.util.find_spec("cpu_quant.formats.cpu_int4.vllm_method") is not None
     assert status["cpu_int4"] == ("applied" if has_int4 else "absent")
     assert result["same"] and not result["double_wrapped"]
     # gptq_tinygemm: on by default where this CPU's kernel-table row says tinygemm
@@ -321,7 +321,8 @@ def _gptq_kernel_registration(switch: str | None) -> dict:
     code = textwrap.dedent("""
         import json
         import vllm.engine.arg_utils
-        from cpu_quant.runtime_patches import gptq_tinygemm, register
+        from cpu_quant.formats.gptq import vllm_kernel as gptq_tinygemm
+        from cpu_quant.runtime_patches import register
         first = register()
         # apply() again (as a second plugin load would), unless the switch keeps it off
         again = gptq_tinygemm.apply().__dict__ if APPLY_AGAIN else None
@@ -379,7 +380,7 @@ _KERNEL_CLASS_CHECK = textwrap.dedent("""
         MPLinearLayerConfig)
     from vllm.platforms import PlatformEnum
     from vllm.scalar_type import scalar_types
-    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
+    from cpu_quant.formats.gptq.layout import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
 
     lines = []
     handler = logging.Handler()
@@ -466,7 +467,7 @@ _W4A8_KERNEL_CHECK = textwrap.dedent("""
     from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
         MPLinearLayerConfig)
     from vllm.scalar_type import scalar_types
-    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
+    from cpu_quant.formats.gptq.layout import dequantize_gptq, pack_gptq_qweight, pack_gptq_qzeros
     from cpu_quant.quantize.hessians import int8_per_token
 
     n, k, g = 256, 1024, 128

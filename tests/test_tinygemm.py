@@ -19,7 +19,7 @@ import torch
 
 from cpu_quant.core.cpu import local_cpu
 from cpu_quant.core.errors import CpuQuantError
-from cpu_quant.formats import cpu_int4 as tp
+from cpu_quant.formats.cpu_int4 import layout as tp
 from cpu_quant.formats.kernels import serving_kernels
 
 from .conftest import REPO, SMALL_CALIB, build_once, run_cli
@@ -90,7 +90,7 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, weight_rou
 def test_kernel_and_prefill_path_match_the_dequantized_reference(gemm: str, monkeypatch):
     """Both prefill GEMMs of the kernel table: ``bfloat16`` rounds the weights to bf16 first,
     ``float32`` multiplies the exact float32 weights."""
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     monkeypatch.setattr(rt, "PREFILL_GEMM", gemm)
 
@@ -122,7 +122,7 @@ def test_kernel_and_prefill_path_match_the_dequantized_reference(gemm: str, monk
 def test_fused_dequantize_reads_both_block_arrangements(arrangement: str):
     """The compiled prefill dequantizer's arithmetic (run eagerly here, on a layout of each
     arrangement torch's packers use) gives the bf16 rows the kernel-layout reader gives."""
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     layout = tp.KernelLayout("test", 64, arrangement)
     n, k, group = 192, 256, 64
@@ -145,7 +145,7 @@ def test_fused_prefill_equals_the_eager_prefill_bit_for_bit(monkeypatch):
     equals the eager path's bit for bit at every thread count (each path run at the same one):
     several chunks (more than one fused tile), and a last chunk with a partial block, which
     takes the eager path."""
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
     from cpu_quant.quantize.schedule import torch_threads
 
     monkeypatch.setattr(rt, "PREFILL_GEMM", "bfloat16")
@@ -174,7 +174,7 @@ def test_both_dequantizers_give_the_same_bf16_tile_at_any_thread_count(monkeypat
     """What the op's bit-identity rests on, independently of any GEMM: the compiled
     dequantizer's bf16 tile equals the eager one's, and neither changes with the thread count
     (elementwise arithmetic, no reduction)."""
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
     from cpu_quant.quantize.schedule import torch_threads
 
     monkeypatch.setattr(rt, "FUSED_DEQUANTIZE", True)
@@ -203,7 +203,7 @@ def test_both_dequantizers_give_the_same_bf16_tile_at_any_thread_count(monkeypat
 ])
 def test_runtime_switches_refuse_bad_values_in_one_line(name, bad, good, reader, parsed,
                                                         monkeypatch):
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     monkeypatch.setenv(name, bad)
     with pytest.raises(CpuQuantError) as exc:
@@ -217,7 +217,7 @@ def test_prefill_path_keeps_no_copy_of_the_weights(monkeypatch):
     """The dequantize path's only memory beyond its output is the tile buffers, reused by every
     chunk and call: their size does not grow with the weight (a 4x larger matrix leaves them
     as they were), and they are far smaller than the dequantized weight."""
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     def scratch_bytes() -> int:
         return sum(b.numel() * b.element_size() for b in vars(rt._scratch).values())
@@ -241,12 +241,12 @@ def test_prefill_path_keeps_no_copy_of_the_weights(monkeypatch):
 
 
 def test_gptq_layers_repack_to_the_kernel_exactly():
-    """The opt-in GPTQ-on-tinygemm kernel (runtime_patches/gptq_tinygemm.py): a symmetric GPTQ
+    """The opt-in GPTQ-on-tinygemm kernel (formats/gptq/vllm_kernel.py): a symmetric GPTQ
     layer's qweight/scales become the bytes torch's own packer makes from the same codes, and
     the kernel tensor dequantizes to exactly what vLLM's GPTQ reading ((q - 8) * s) gives.
     Wider than one column chunk, so the chunk boundary is crossed."""
-    from cpu_quant.formats.gptq import dequantize_gptq, pack_gptq_qweight
-    from cpu_quant.runtime_patches.gptq_tinygemm import COLUMN_CHUNK, gptq_to_kernel
+    from cpu_quant.formats.gptq.layout import dequantize_gptq, pack_gptq_qweight
+    from cpu_quant.formats.gptq.vllm_kernel import COLUMN_CHUNK, gptq_to_kernel
 
     n, k, group = COLUMN_CHUNK + 64, 128, 64
     codes, scale, _ = _random_module(n, k, group, seed=5)
@@ -263,7 +263,7 @@ def test_gptq_layers_repack_to_the_kernel_exactly():
 def test_gptq_tinygemm_takes_only_what_it_computes_exactly():
     from vllm.scalar_type import scalar_types
 
-    from cpu_quant.runtime_patches.gptq_tinygemm import gptq_tinygemm_problem
+    from cpu_quant.formats.gptq.vllm_kernel import gptq_tinygemm_problem
 
     ok = dict(weight_type=scalar_types.uint4b8, zero_points=False, act_type=torch.bfloat16)
     assert gptq_tinygemm_problem(576, 960, 64, **ok) is None
@@ -279,7 +279,7 @@ def test_batch_size_branch_does_not_guard_a_compiled_graph():
     written outside the op recompiles (the control shows the check can fail)."""
     from torch._dynamo.testing import CompileCounter
 
-    from cpu_quant import tinygemm_runtime as rt
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     n, k, group = 64, 128, 64
     codes, scale, zero = _random_module(n, k, group)
@@ -311,7 +311,7 @@ def test_batch_size_branch_does_not_guard_a_compiled_graph():
 
 
 def test_shapes_the_kernel_cannot_take_are_refused():
-    from cpu_quant.tinygemm_runtime import Int4PackedLinear
+    from cpu_quant.formats.cpu_int4.kernel import Int4PackedLinear
 
     assert tp.kernel_shape_problem(576, 576, 64) is None
     for n, k, g, words in [(40, 64, 32, "multiple of 16"), (64, 576, 128, "does not divide"),
@@ -432,7 +432,7 @@ def _synthetic_gptq(dst: Path, config: dict, n: int, k: int, group: int) -> Path
     from safetensors.torch import save_file
 
     from cpu_quant.core.grid import GroupQuant
-    from cpu_quant.formats.gptq import gptq_module_tensors
+    from cpu_quant.formats.gptq.layout import gptq_module_tensors
 
     dst.mkdir()
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=n, intermediate_size=k,
@@ -476,7 +476,7 @@ def _one_zero_of_7(ckpt: Path, sym: bool) -> Path:
 def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, tmp_path: Path):
     """A checkpoint whose zero points the target cannot hold, or whose shapes the kernel cannot
     take: one ``error:`` line, non-zero exit, nothing written."""
-    from cpu_quant.formats.gptq import gptq_quantization_config
+    from cpu_quant.formats.gptq.layout import gptq_quantization_config
 
     config = json.loads((demo_src / "config.json").read_text())
     config["quantization_config"] = gptq_quantization_config(128, False, {})
@@ -510,7 +510,7 @@ def test_convert_round_trips_and_keeps_an_asymmetric_grid(demo_src: Path, tmp_pa
     zeros in cpu_int4, where (8 - z) * s is exact."""
     from cpu_quant.core.io.checkpoint import open_checkpoint
     from cpu_quant.formats import get_format
-    from cpu_quant.formats.gptq import gptq_quantization_config
+    from cpu_quant.formats.gptq.layout import gptq_quantization_config
 
     config = json.loads((demo_src / "config.json").read_text())
     config["quantization_config"] = gptq_quantization_config(128, False, {})
@@ -559,9 +559,9 @@ def test_load_quantized_takes_gptq_through_the_registry(tiny_llama: Path, tmp_pa
     cpu_int4 directory's modules and gives identical logits; both are within bf16 arithmetic of
     the float32 model of the dequantized weights."""
     from cpu_quant import load_quantized
-    from cpu_quant import tinygemm_runtime as rt
     from cpu_quant.eval.dequantized import load_model
     from cpu_quant.formats import parse_formats
+    from cpu_quant.formats.cpu_int4 import kernel as rt
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     dst = tmp_path / "q"
@@ -688,8 +688,8 @@ def test_vllm_prefill_and_decode_paths_agree(vllm_run: dict):
 def test_load_quantized_generates_what_vllm_generates(vllm_run: dict, asym_artifact: Path,
                                                       prompt_ids):
     import cpu_quant
-    from cpu_quant import tinygemm_runtime as rt
     from cpu_quant.eval.fidelity import _greedy
+    from cpu_quant.formats.cpu_int4 import kernel as rt
 
     model = cpu_quant.load_quantized(asym_artifact)
     assert isinstance(model.lm_head, rt.Int4PackedLinear)

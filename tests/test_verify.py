@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from cpu_quant.core.errors import CpuQuantError
-from cpu_quant.formats.gptq import pack_gptq_qzeros, unpack_gptq_qweight
+from cpu_quant.formats.gptq.layout import pack_gptq_qzeros, unpack_gptq_qweight
 from cpu_quant.verify import inspect_checkpoint, verify_checkpoint
 from cpu_quant.verify.commands import inspect as inspect_cmd
 from cpu_quant.verify.commands import verify as verify_cmd
@@ -355,7 +355,7 @@ def test_inspect_foreign_bf16_head() -> None:
     assert report.bits_per_weight == pytest.approx(4 + 16 / 32)  # fp16 scales, group 32
 
 
-# -- cpu_int4 (written here from the documented layout, independently of formats/cpu_int4.py) ---------
+# -- cpu_int4 (written here from the documented layout, independently of formats/cpu_int4/) ---------
 @pytest.fixture(scope="module")
 def cpu_int4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The GPTQModel v1 fixture repacked into the cpu_int4 layout (symmetric: zero 0)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cpu_quant.formats.gptq import gptq_module_tensors
+from cpu_quant.formats.gptq.layout import gptq_module_tensors
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
 
 from .hostile.generate import invoke

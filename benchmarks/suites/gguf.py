@@ -45,7 +45,7 @@ llama.cpp's tools (``llama-imatrix``, ``llama-quantize``) come from
 ``llama_cpp_env.install_tools()``, built from the same vendored source as the Python peer; on
 an AMX CPU every model that llama.cpp *runs* is opened with weight repacking off
 (``llama_cpp_open``, recorded as ``extra_bufts_off``; upstream llama.cpp #20824), and every
-llama.cpp tool that runs a model gets its argv from ``cpu_quant.formats.gguf.llama_cpp_command``
+llama.cpp tool that runs a model gets its argv from ``cpu_quant.formats.gguf.format.llama_cpp_command``
 (``--no-repack``, on every CPU).
 
 The evaluation is deterministic, so the fidelity spread over passes is expected to be 0.
@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpu_quant.formats.gguf import llama_cpp_command
+from cpu_quant.formats.gguf.format import llama_cpp_command
 
 from ..harness import (
     CPU_SECONDS,
@@ -306,7 +306,7 @@ def _fidelity_arm(name: str, settings: dict, model_of, ref: Path, windows: Path,
 
 
 def _our_gguf(directory: Path) -> Path:
-    from cpu_quant.formats.gguf import gguf_file_in
+    from cpu_quant.formats.gguf.reader import gguf_file_in
 
     found = gguf_file_in(directory)
     if found is None:

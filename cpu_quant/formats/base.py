@@ -92,6 +92,11 @@ class Format:
     name: ClassVar[str]
     limits: ClassVar[Limits]
     quant_methods: ClassVar[tuple[str, ...]] = ()  # config quant_method values it reads
+    # what the vLLM plugin loads for this format (``cpu_quant.runtime_patches.register``): a module
+    # whose ``register()`` registers a quantization method named after the format, and patch
+    # modules (``NAME``, ``ENV_SWITCH``, ``apply()``); full module names, in the format's package
+    vllm_method: ClassVar[str | None] = None
+    vllm_patches: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

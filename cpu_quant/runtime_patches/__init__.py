@@ -6,12 +6,14 @@ entry point ``cpu_quant = "cpu_quant.runtime_patches:register"`` in the group
 so an A/B comparison needs only that variable.
 
 ``register()``:
-- registers the ``cpu_int4`` quantization method when the module
-  ``cpu_quant.runtime_patches.cpu_int4`` exists: its ``register()`` does the registration, and
-  this plugin then checks with vLLM (``get_quantization_config("cpu_int4")``) that the method is
-  listed and maps to that module's ``CpuInt4Config``; switch ``CPU_QUANT_PATCH_CPU_INT4=0``;
-- applies each patch module in ``PATCH_MODULES``; each exposes ``NAME``, ``ENV_SWITCH`` and
-  ``apply() -> PatchOutcome`` and checks its own target before touching it;
+- registers the quantization method of every format that provides one (the format's
+  ``vllm_method``, a module of its package): the module's ``register()`` does the registration,
+  and this plugin then checks with vLLM (``get_quantization_config(<format>)``) that the method
+  is listed and maps to that module's ``CONFIG_CLASS``; switch ``CPU_QUANT_PATCH_<FORMAT>=0``;
+- applies each patch module of :func:`patch_modules`: the generic ones of this package (KV
+  budget, memory release, compile cache), then those the formats provide (``vllm_patches``);
+  each exposes ``NAME``, ``ENV_SWITCH`` and ``apply() -> PatchOutcome`` and checks its own
+  target before touching it;
 - logs exactly one line per item: ``cpu_quant patch <name>: <status> (<reason>)`` on the
   ``vllm.cpu_quant`` logger, so the line carries vLLM's process prefix;
 - is idempotent: later calls in the same process return the first call's outcomes and log
@@ -36,13 +38,29 @@ from dataclasses import dataclass
 
 from ..core.memory import anon_rss_bytes
 
-__all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "register", "PATCH_MODULES"]
+__all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "patch_modules", "register"]
 
 logger = logging.getLogger("vllm.cpu_quant")
 
-PATCH_MODULES: tuple[str, ...] = ("kv_budget", "release_memory", "aot_cache", "gptq_tinygemm")
-CPU_INT4_MODULE = f"{__name__}.cpu_int4"
-CPU_INT4_SWITCH = "CPU_QUANT_PATCH_CPU_INT4"
+# the patches that concern no format: vLLM's CPU backend itself
+GENERIC_PATCHES: tuple[str, ...] = tuple(f"{__name__}.{m}"
+                                         for m in ("kv_budget", "release_memory", "aot_cache"))
+
+
+def _format_classes() -> list:
+    from ..formats.base import REGISTRY
+
+    return list(REGISTRY.values())
+
+
+def patch_modules() -> tuple[str, ...]:
+    """Every patch module, by its full name: the generic ones, then the formats'."""
+    return GENERIC_PATCHES + tuple(m for cls in _format_classes() for m in cls.vllm_patches)
+
+
+def method_modules() -> list[tuple[str, str]]:
+    """(format name, module) of every format that provides a vLLM quantization method."""
+    return [(cls.name, cls.vllm_method) for cls in _format_classes() if cls.vllm_method]
 
 # Statuses a PatchOutcome can carry, and the log level each is reported at. "skipped" means the
 # target is missing, changed or already fixed upstream: worth a warning, because the fix is not
@@ -116,9 +134,11 @@ def switch_state(env_name: str) -> str | None:
     return f"invalid value {env_name}={value!r} (use 0 or 1); left off"
 
 
-def _apply_patch(name: str) -> PatchOutcome:
+def _apply_patch(path: str) -> PatchOutcome:
+    name = path.rpartition(".")[2]
     try:
-        module = importlib.import_module(f"{__name__}.{name}")
+        module = importlib.import_module(path)
+        name = getattr(module, "NAME", name)
         off = switch_state(module.ENV_SWITCH)
         if off is not None:
             status = "off" if off.startswith("switched off") else "skipped"
@@ -128,21 +148,20 @@ def _apply_patch(name: str) -> PatchOutcome:
         return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
 
 
-def _register_cpu_int4() -> PatchOutcome:
-    """Import ``cpu_int4`` and call its ``register()``, then check with vLLM that the method is
-    there and is that module's config class (``CpuInt4Config``)."""
-    name = "cpu_int4"
+def _register_method(name: str, path: str) -> PatchOutcome:
+    """Import a format's vLLM method module and call its ``register()``, then check with vLLM
+    that the method ``name`` is there and is that module's ``CONFIG_CLASS``."""
     try:
-        off = switch_state(CPU_INT4_SWITCH)
+        off = switch_state(f"CPU_QUANT_PATCH_{name.upper()}")
         if off is not None:
             return PatchOutcome(name, "off" if off.startswith("switched off") else "skipped", off)
-        if importlib.util.find_spec(CPU_INT4_MODULE) is None:
-            return PatchOutcome(name, "absent", f"{CPU_INT4_MODULE} not installed; quantization "
-                                "method cpu_int4 not registered")
-        module = importlib.import_module(CPU_INT4_MODULE)
+        if importlib.util.find_spec(path) is None:
+            return PatchOutcome(name, "absent", f"{path} not installed; quantization "
+                                f"method {name} not registered")
+        module = importlib.import_module(path)
         hook = getattr(module, "register", None)
         if not callable(hook):
-            return PatchOutcome(name, "failed", f"{CPU_INT4_MODULE} has no register()")
+            return PatchOutcome(name, "failed", f"{path} has no register()")
         hook()
         from vllm.model_executor.layers.quantization import (
             QUANTIZATION_METHODS,
@@ -150,14 +169,14 @@ def _register_cpu_int4() -> PatchOutcome:
         )
 
         if name not in QUANTIZATION_METHODS:
-            return PatchOutcome(name, "failed", "register() ran but vLLM does not list cpu_int4 "
+            return PatchOutcome(name, "failed", f"register() ran but vLLM does not list {name} "
                                 "among its quantization methods")
         found = get_quantization_config(name)
-        ours = getattr(module, "CpuInt4Config", None)
+        ours = getattr(module, "CONFIG_CLASS", None)
         if ours is not None and found is not ours:
-            return PatchOutcome(name, "skipped", f"vLLM already maps cpu_int4 to "
+            return PatchOutcome(name, "skipped", f"vLLM already maps {name} to "
                                 f"{found.__module__}.{found.__qualname__}; left in place")
-        return PatchOutcome(name, "applied", "quantization method cpu_int4 registered")
+        return PatchOutcome(name, "applied", f"quantization method {name} registered")
     except Exception as exc:
         return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
 
@@ -167,7 +186,8 @@ def register() -> list[PatchOutcome]:
     global _outcomes
     with _lock:
         if _outcomes is None:
-            results = [_register_cpu_int4()] + [_apply_patch(name) for name in PATCH_MODULES]
+            results = ([_register_method(n, m) for n, m in method_modules()]
+                       + [_apply_patch(m) for m in patch_modules()])
             with _visible_before_vllm_logging():
                 _outcomes = [log_outcome(o) for o in results]
         return list(_outcomes)

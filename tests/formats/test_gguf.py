@@ -18,7 +18,11 @@ import torch
 
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.core.grid import GroupQuant
-from cpu_quant.formats import gguf as G
+from cpu_quant.formats.gguf import architectures as gguf_architectures
+from cpu_quant.formats.gguf import format as gguf_format
+from cpu_quant.formats.gguf import q4_0 as gguf_q4_0
+from cpu_quant.formats.gguf import reader as gguf_reader
+from cpu_quant.formats.gguf import sink as gguf_sink
 from cpu_quant.models.tiny import make_tiny_model
 from tests.helpers.gguf_rtn import feed, info_for, rtn_results, write_gguf
 
@@ -42,13 +46,13 @@ def gguf_py_dequantize(blocks: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_q4_0_blocks_match_gguf_py_bit_for_bit(group: int) -> None:
     gq = random_gq(48, 256, group)
-    blocks = G.pack_q4_0(gq)
+    blocks = gguf_q4_0.pack_q4_0(gq)
     assert blocks.dtype == torch.uint8 and blocks.shape == (48, 256 // 32 * 18)
     ours = gq.dequantize().numpy()
     theirs = gguf_py_dequantize(blocks)
     assert theirs.dtype == np.float32 and np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
-    back = G.unpack_q4_0(blocks)
-    ref = G.as_blocks_of_32(gq)
+    back = gguf_q4_0.unpack_q4_0(blocks)
+    ref = gguf_q4_0.as_blocks_of_32(gq)
     assert back.group_size == 32
     assert torch.equal(back.codes, ref.codes) and torch.equal(back.scales, ref.scales)
 
@@ -56,7 +60,7 @@ def test_q4_0_blocks_match_gguf_py_bit_for_bit(group: int) -> None:
 def test_q4_0_nibble_order_is_j_and_j_plus_16() -> None:
     codes = torch.arange(32, dtype=torch.uint8).remainder(16).reshape(1, 32)
     codes[0, 16:] = 15 - codes[0, 16:]
-    blocks = G.pack_q4_0(GroupQuant(codes, torch.tensor([[0.5]]), None, 32))
+    blocks = gguf_q4_0.pack_q4_0(GroupQuant(codes, torch.tensor([[0.5]]), None, 32))
     assert blocks[0, :2].view(torch.float16).item() == 0.5
     for j in range(16):
         assert blocks[0, 2 + j].item() == int(codes[0, j]) | (int(codes[0, j + 16]) << 4)
@@ -65,7 +69,7 @@ def test_q4_0_nibble_order_is_j_and_j_plus_16() -> None:
 def test_negative_scales_survive() -> None:
     gq = random_gq(8, 64, 32, negative=True)
     assert (gq.scales < 0).any()
-    back = G.unpack_q4_0(G.pack_q4_0(gq))
+    back = gguf_q4_0.unpack_q4_0(gguf_q4_0.pack_q4_0(gq))
     assert torch.equal(back.scales, gq.scales)
 
 
@@ -74,19 +78,19 @@ def test_scale_fp16_cannot_hold_is_refused(bad: float) -> None:
     gq = random_gq(4, 64, 32)
     gq.scales[2, 1] = torch.tensor(bad).to(torch.bfloat16).float()
     with pytest.raises(CpuQuantError, match=r"model.layers.0.mlp.up_proj: 1 scale\(s\) not exact in fp16"):
-        G.pack_q4_0(gq, "model.layers.0.mlp.up_proj")
+        gguf_q4_0.pack_q4_0(gq, "model.layers.0.mlp.up_proj")
 
 
 def test_small_scale_exact_in_fp16_subnormals_is_kept() -> None:
     gq = random_gq(4, 64, 32)
     gq.scales[0, 0] = 2.0 ** -20  # one significant bit: an exact fp16 subnormal
-    assert G.unpack_q4_0(G.pack_q4_0(gq)).scales[0, 0].item() == 2.0 ** -20
+    assert gguf_q4_0.unpack_q4_0(gguf_q4_0.pack_q4_0(gq)).scales[0, 0].item() == 2.0 ** -20
 
 
 def test_rope_permutation_round_trips() -> None:
     rows = torch.arange(4 * 16 * 3).reshape(64, 3)
-    perm = G.permute_rope_rows(rows, 4)
-    assert not torch.equal(perm, rows) and torch.equal(G.unpermute_rope_rows(perm, 4), rows)
+    perm = gguf_architectures.permute_rope_rows(rows, 4)
+    assert not torch.equal(perm, rows) and torch.equal(gguf_architectures.unpermute_rope_rows(perm, 4), rows)
     # llama.cpp's order within a head: HF rows 0, 8, 1, 9, ... (interleaved halves)
     assert perm[:4, 0].tolist() == [0, 24, 3, 27]
 
@@ -108,29 +112,29 @@ def tiny_files(demo_src: Path, tmp_path_factory) -> dict[str, tuple[Path, dict, 
 def test_every_q4_0_tensor_matches_gguf_py(tiny_files, arch: str) -> None:
     path, quant, cfg = tiny_files[arch]
     reader = gguf.GGUFReader(path)
-    spec = G.arch_spec(cfg)
-    modules = G._hf_module_names(spec, cfg["num_hidden_layers"])
+    spec = gguf_architectures.arch_spec(cfg)
+    modules = gguf_reader._hf_module_names(spec, cfg["num_hidden_layers"])
     seen = 0
     for t in reader.tensors:
         if t.tensor_type != gguf.GGMLQuantizationType.Q4_0:
             continue
         theirs = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type))
         module = modules[t.name]
-        theirs = G._undo_rows(spec, cfg, module, theirs)
+        theirs = gguf_reader._undo_rows(spec, cfg, module, theirs)
         ours = quant[module].dequantize()
         assert torch.equal(theirs.view(torch.int32), ours.view(torch.int32)), t.name
         seen += 1
     assert seen == len(quant) == 7 * cfg["num_hidden_layers"]
-    assert [f for f in G.verify(path, cfg) if f.severity == "error"] == []
+    assert [f for f in gguf_reader.verify(path, cfg) if f.severity == "error"] == []
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_unpack_reads_back_what_was_written(tiny_files, arch: str) -> None:
     path, quant, _ = tiny_files[arch]
-    back = G.unpack(path)
+    back = gguf_reader.unpack(path)
     assert set(back) == set(quant)
     for m, gq in quant.items():
-        ref = G.as_blocks_of_32(gq)
+        ref = gguf_q4_0.as_blocks_of_32(gq)
         assert torch.equal(back[m].codes, ref.codes) and torch.equal(back[m].scales, ref.scales), m
 
 
@@ -155,13 +159,13 @@ def test_metadata_follows_the_converter(tiny_files) -> None:
 
 def test_unsupported_architecture_is_one_line() -> None:
     with pytest.raises(CpuQuantError, match="architecture Phi3ForCausalLM is not supported"):
-        G.arch_spec({"architectures": ["Phi3ForCausalLM"]})
-    assert "not supported" in G.GGUFFormat().refuse_source({"architectures": ["Phi3ForCausalLM"]})
+        gguf_architectures.arch_spec({"architectures": ["Phi3ForCausalLM"]})
+    assert "not supported" in gguf_format.GGUFFormat().refuse_source({"architectures": ["Phi3ForCausalLM"]})
 
 
 def test_inspect_summary(tiny_files) -> None:
     path, quant, _ = tiny_files["llama"]
-    s = G.inspect(path)
+    s = gguf_reader.inspect(path)
     assert s["architecture"] == "llama" and s["types"]["Q4_0"] == len(quant)
     assert s["q4_0_bits_per_weight"] == 4.5 and s["file_bytes"] == path.stat().st_size
 
@@ -174,7 +178,8 @@ def _copy(path: Path, tmp_path: Path) -> Path:
 
 
 def _errors(path: Path, cfg: dict | None = None) -> list[str]:
-    return [f"{f.check}: {f.tensor}: {f.message}" for f in G.verify(path, cfg) if f.severity == "error"]
+    return [f"{f.check}: {f.tensor}: {f.message}" for f in gguf_reader.verify(path, cfg)
+            if f.severity == "error"]
 
 
 def test_truncated_file_is_refused(tiny_files, tmp_path: Path) -> None:
@@ -227,21 +232,21 @@ def test_resume_from_parts_is_byte_identical(demo_src: Path, tmp_path: Path) -> 
     n = cfg["num_hidden_layers"]
     info = info_for(src, cfg, 32, True)
 
-    whole = G.GGUFFormat().open_sink(tmp_path / "whole", n, None)
+    whole = gguf_format.GGUFFormat().open_sink(tmp_path / "whole", n, None)
     feed(whole, quant, floats, n)
     whole.finish(info)
 
-    first = G.GGUFFormat().open_sink(tmp_path / "resumed", n, None)
+    first = gguf_format.GGUFFormat().open_sink(tmp_path / "resumed", n, None)
     feed(first, quant, floats, n, layers=range(1))
     state = json.loads(json.dumps(first.state()))  # what the resume point stores
     del first  # the crash
-    again = G.GGUFFormat().open_sink(tmp_path / "resumed", n, state)
+    again = gguf_format.GGUFFormat().open_sink(tmp_path / "resumed", n, state)
     feed(again, quant, floats, n, layers=range(1, n + 1))
     again.finish(info)
 
     a, b = (next((tmp_path / d).glob("*.gguf")) for d in ("whole", "resumed"))
     assert a.read_bytes() == b.read_bytes()
-    assert not (tmp_path / "resumed" / G.PARTS_DIR).exists()
+    assert not (tmp_path / "resumed" / gguf_sink.PARTS_DIR).exists()
     assert "output.weight" in {t.name for t in gguf.GGUFReader(b).tensors}
     assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == [
         "src-Q4_0.gguf", "src-Q4_0.quantization_report.json"]
@@ -291,7 +296,7 @@ def test_llama_cpp_runs_our_gguf_of_the_demo_model(demo_formats: Path, tmp_path:
     if py is None:
         pytest.skip("llama-cpp-python peer venv not built (python -m benchmarks.peers.llama_cpp_env)")
     path = next((demo_formats / "gguf").glob("*.gguf"))
-    assert [f for f in G.verify(path) if f.severity == "error"] == []
+    assert [f for f in gguf_reader.verify(path) if f.severity == "error"] == []
     tokens = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
               411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 10576, 1601, 260, 2914, 282, 4649, 47]
 
@@ -332,13 +337,13 @@ def test_one_run_writes_the_same_codes_to_every_format(demo_formats: Path) -> No
     assert qa["dynamic"] == qb["dynamic"] and qa["lm_head"] == qb["lm_head"] is True
     modules = gptq.modules(a)
     assert modules == int4.modules(b) and len(modules) == 30 * 7 + 1
-    from_gguf = G.unpack(next((demo_formats / "gguf").glob("*.gguf")))
+    from_gguf = gguf_reader.unpack(next((demo_formats / "gguf").glob("*.gguf")))
     for m in modules:
         ga = gptq.unpack(gptq.read_tensors(a, m), qa, m)
         gb = int4.unpack(int4.read_tensors(b, m), qb, m)
         assert torch.equal(ga.codes, gb.codes) and torch.equal(ga.scales, gb.scales), m
         assert gb.zeros is None
-        expanded = G.as_blocks_of_32(ga)
+        expanded = gguf_q4_0.as_blocks_of_32(ga)
         assert torch.equal(from_gguf[m].codes, expanded.codes), m
         assert torch.equal(from_gguf[m].scales, expanded.scales), m
     rest = [n for n in a.names if n.rpartition(".")[2] not in gptq.suffixes]
@@ -372,7 +377,7 @@ def test_every_llama_cpp_command_turns_weight_repacking_off(tmp_path: Path) -> N
     from tests.conftest import REPO
 
     for tool in ("llama-cli", "llama-server", "llama-perplexity", "llama-imatrix"):
-        argv = G.llama_cpp_command(tool, tmp_path / "m.gguf", "--kl-divergence")
+        argv = gguf_format.llama_cpp_command(tool, tmp_path / "m.gguf", "--kl-divergence")
         assert argv[:4] == [tool, "-m", str(tmp_path / "m.gguf"), "--no-repack"], argv
     card = model_card_text(tmp_path / "m-Q4_0.gguf", {"settings": {}}, tmp_path, "gguf")
     assert f"llama-cli -m {tmp_path / 'm-Q4_0.gguf'} --no-repack" in card
@@ -418,7 +423,7 @@ def test_the_llama_cpp_tools_accept_the_built_argv(hostile_bases, tmp_path: Path
             "llama-imatrix": ("-f", text, "-o", tmp_path / "imatrix.gguf", "-c", "64",
                               "--chunks", "2", "-t", "1", "--no-ppl")}
     for tool, args in runs.items():
-        argv = G.llama_cpp_command(tools.path / "bin" / tool, hostile_bases.gguf, *args)
+        argv = gguf_format.llama_cpp_command(tools.path / "bin" / tool, hostile_bases.gguf, *args)
         assert "--no-repack" in argv
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (tool, proc.stderr[-2000:])

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from cpu_quant.core.grid import GroupQuant
 from cpu_quant.core.io.checkpoint import open_checkpoint
-from cpu_quant.formats.gguf import GGUFFormat, GGUFSink
+from cpu_quant.formats.gguf.format import GGUFFormat
+from cpu_quant.formats.gguf.sink import GGUFSink
 from cpu_quant.formats.sink import ArtifactInfo
 from cpu_quant.quantize.gptq import GridSpec, quantize_rtn
 

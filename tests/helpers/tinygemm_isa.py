@@ -31,7 +31,7 @@ def isa_check() -> dict:
     """Our packer, reader, in-place repack (whole and one-block chunks) and kernel-layout
     dequantization (the bf16 reference and the transposed float32 fast path), each against
     ``_convert_weight_to_int4pack_for_cpu``, bit-exact."""
-    from cpu_quant.formats import cpu_int4 as tp
+    from cpu_quant.formats.cpu_int4 import layout as tp
 
     layout = tp.kernel_layout()
     for n, k in ISA_SHAPES:

@@ -22,7 +22,7 @@ import sys
 
 
 def _path_calls():
-    runtime = sys.modules.get("cpu_quant.tinygemm_runtime")
+    runtime = sys.modules.get("cpu_quant.formats.cpu_int4.kernel")
     return None if runtime is None else dict(runtime.PATH_CALLS)
 
 

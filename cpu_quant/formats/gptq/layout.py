@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import torch
 
-from ..core.errors import CpuQuantError
-from ..core.grid import QZERO, GroupQuant
-from .base import Limits, TensorSpec
-from .safetensors import SafetensorsFormat
-from .sink import ArtifactInfo
+from ...core.errors import CpuQuantError
+from ...core.grid import QZERO, GroupQuant
+from ..base import Limits, TensorSpec
+from ..safetensors import SafetensorsFormat
+from ..sink import ArtifactInfo
 
 BITS = 4
 PACK = 32 // BITS
@@ -161,6 +161,7 @@ def gptq_quantization_config(group_size: int, lm_head: bool, dynamic: dict[str, 
 
 class GPTQFormat(SafetensorsFormat, name="gptq"):
     quant_methods = ("gptq", "auto_gptq")
+    vllm_patches = (f"{__package__}.vllm_kernel",)  # symmetric layers on tinygemm
     limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=32, n_multiple=32,
                     stores_zeros=False,
                     kernel="vLLM's CPU kernels (cpu_gemm_wna16 / int4_scaled_mm_cpu)")
@@ -223,7 +224,7 @@ class GPTQFormat(SafetensorsFormat, name="gptq"):
         return checkpoint_format(qcfg)
 
     def config_findings(self, q: dict):
-        from ..core.findings import error, warning
+        from ...core.findings import error, warning
 
         if q.get("sym") is False:
             yield error("config", None, "sym is false: vLLM's GPTQ path takes only symmetric "
@@ -258,7 +259,7 @@ def _zero_convention_findings(fmt: GPTQFormat, ctx):
     """v1 stores zero-1 (7 for sym 4-bit), v2 the zero (8); checked against the config."""
     from collections import defaultdict
 
-    from ..core.findings import error, info
+    from ...core.findings import error, info
 
     q = ctx.qcfg
     declared_fmt = checkpoint_format(q)
@@ -315,7 +316,7 @@ def _zero_convention_findings(fmt: GPTQFormat, ctx):
 
 
 def _g_idx_findings(ctx):
-    from ..core.findings import error
+    from ...core.findings import error
 
     for mod in ctx.modules.values():
         tname = mod.tensors.get("g_idx")

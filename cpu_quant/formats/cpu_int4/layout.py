@@ -72,11 +72,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.errors import CpuQuantError
-from ..core.grid import QZERO, GroupQuant
-from .base import Limits, TensorSpec
-from .safetensors import SafetensorsFormat
-from .sink import ArtifactInfo
+from ...core.errors import CpuQuantError
+from ...core.grid import QZERO, GroupQuant
+from ..base import Limits, TensorSpec
+from ..safetensors import SafetensorsFormat
+from ..sink import ArtifactInfo
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
@@ -170,6 +170,7 @@ def cpu_int4_quantization_config(group_size: int, lm_head: bool, dynamic: dict[s
 
 class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
     quant_methods = (QUANT_METHOD,)
+    vllm_method = f"{__package__}.vllm_method"  # the quantization method the plugin registers
     # the tinygemm kernel has no one-group-per-row mode; -1 is read only where K is a kernel group
     limits = Limits(groups=(128, 64, 32), row_group=False, k_multiple=32, n_multiple=32,
                     stores_zeros=True, kernel="torch's tinygemm kernel (_weight_int4pack_mm_for_cpu)")
@@ -216,7 +217,7 @@ class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
 
     def module_findings(self, ctx):
         """With sym true, every weight_zero must be 0."""
-        from ..core.findings import error
+        from ...core.findings import error
 
         for mod in ctx.modules.values():
             tname = mod.tensors.get("weight_zero")
@@ -363,7 +364,7 @@ def kernel_layout() -> KernelLayout:
     if len(matches) != 1:
         raise CpuQuantError(f"torch {torch.__version__} packs int4 weights for the {isa} path in a "
                             "layout cpu_quant does not know; refusing to read it (see "
-                            "formats/cpu_int4.py)")
+                            "formats/cpu_int4/layout.py)")
     found = KernelLayout(isa, matches[0].block_n, matches[0].full_block)
     expected = _EXPECTED.get(isa)
     if expected is not None and expected != (found.block_n, found.full_block):

@@ -1,7 +1,7 @@
 """Running 4-bit checkpoints on tinygemm: the linear op both runtimes call, and the plain-PyTorch loader.
 
 ``torch.ops.cpu_quant.int4pack_linear(x [M, K] bf16, packed, scale_zeros, group) -> [M, N]``
-takes the weight in the kernel layout (``formats/cpu_int4.py``) and picks a path by the
+takes the weight in the kernel layout (``formats/cpu_int4/layout.py``) and picks a path by the
 number of rows ``M``:
 
 * ``M <= KERNEL_MAX_ROWS`` (decode steps): ``aten._weight_int4pack_mm_for_cpu``, the tinygemm
@@ -50,9 +50,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core.cpu import local_cpu
-from .core.errors import CpuQuantError
-from .formats.cpu_int4 import (
+from ...core.cpu import local_cpu
+from ...core.errors import CpuQuantError
+from ..kernels import PREFILL_GEMMS, serving_kernels
+from .layout import (
     CHUNK_WEIGHTS,
     QUANT_METHOD,
     block_codes,
@@ -64,7 +65,6 @@ from .formats.cpu_int4 import (
     repack_to_kernel_,
     scale_zero_storage,
 )
-from .formats.kernels import PREFILL_GEMMS, serving_kernels
 
 PATH_CALLS = {"kernel": 0, "dequantize": 0, "fused_tiles": 0}
 _GEMM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -257,7 +257,7 @@ class Int4PackedLinear(nn.Module):
 
     def load_portable(self, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                       weight_zero: torch.Tensor) -> None:
-        """Fill from the portable tensors (see ``formats/cpu_int4.py``).
+        """Fill from the portable tensors (see ``formats/cpu_int4/layout.py``).
 
         ``weight_packed`` is repacked to the kernel layout in place and kept as the buffer (the
         caller hands over a tensor it owns, as ``Checkpoint.tensor`` returns): no second copy of
@@ -302,9 +302,9 @@ def load_quantized(path: str | Path):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .core.io.checkpoint import open_checkpoint
-    from .formats import format_for_quant_method, get_format
-    from .formats.repack import repack_module
+    from ...core.io.checkpoint import open_checkpoint
+    from .. import format_for_quant_method, get_format
+    from ..repack import repack_module
 
     ckpt = open_checkpoint(path)
     qcfg = ckpt.config.get("quantization_config") or {}
@@ -366,6 +366,6 @@ def load_quantized(path: str | Path):
 
 
 def _readable_methods() -> list[str]:
-    from .formats.base import REGISTRY
+    from ..base import REGISTRY
 
     return sorted(m for cls in REGISTRY.values() for m in getattr(cls, "quant_methods", ()))
