@@ -57,7 +57,7 @@ def test_windows_that_repeat_the_same_tokens_warn(caplog):
 
 
 def test_quiet_silences_the_warnings(tmp_path):
-    from cpu_quant.cli_conventions import RunConventions
+    from cpu_quant.cli.conventions import RunConventions
 
     logger = logging.getLogger("cpu_quant")
     before = logger.level

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cpu_quant.cli_conventions import default_output_name
+from cpu_quant.cli.conventions import default_output_name
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.hub import checkpoint_name, resolve_checkpoint
 from cpu_quant.model_card import write_model_card
@@ -120,7 +120,7 @@ def test_every_command_prints_parseable_json(tiny_llama, tmp_path, monkeypatch):
         assert res.exit_code == 0, (args, res.stderr)
         assert isinstance(_stdout_json(res.stdout), dict), args
 
-    import cpu_quant.export.commands as export_commands
+    import cpu_quant.cli.export_phone as export_commands
 
     fake = json.loads((Path(__file__).parent / "fixtures" / "export_phone_report.json").read_text())
     monkeypatch.setattr(export_commands, "run_export_phone", lambda *a, **k: fake)

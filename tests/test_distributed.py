@@ -1,4 +1,4 @@
-"""Data-parallel GPTQ over torch.distributed (``quantize/distributed.py``, ``launcher.py``).
+"""Data-parallel GPTQ over torch.distributed (``quantize/distributed.py``, ``cli/launcher.py``).
 
 The ranks are real processes on loopback (gloo over 127.0.0.1), started the three ways a user
 starts them: ``torchrun --standalone`` (``python -m torch.distributed.run``), ``cpu-quant gptq
@@ -252,7 +252,7 @@ def test_a_rank_whose_launcher_is_gone_ends_itself():
     once when the launcher ended before the death signal was asked for."""
     import signal
 
-    code = ("import os; from cpu_quant.launcher import die_with_launcher; die_with_launcher(); "
+    code = ("import os; from cpu_quant.cli.launcher import die_with_launcher; die_with_launcher(); "
             "print(os.environ.get('CPU_QUANT_LAUNCHER_PID'))")
     alive = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=60, env=_env(CPU_QUANT_LAUNCHER_PID=str(os.getpid())))

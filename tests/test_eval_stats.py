@@ -131,7 +131,7 @@ def test_eval_json_saved_reference_and_refusal(tiny_llama, tiny_rtn, tmp_path):
 
 
 def test_eval_interrupt_does_not_suggest_resume(monkeypatch, tiny_llama, tiny_rtn):
-    import cpu_quant.eval.commands as commands
+    import cpu_quant.cli.eval as commands
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

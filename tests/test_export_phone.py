@@ -25,9 +25,9 @@ from click.testing import CliRunner
 pytest.importorskip("executorch")
 pytest.importorskip("torchao")
 
+from cpu_quant.cli.export_phone import export_phone  # noqa: E402
 from cpu_quant.core.errors import CpuQuantError  # noqa: E402
 from cpu_quant.export import xnnpack  # noqa: E402
-from cpu_quant.export.commands import export_phone  # noqa: E402
 from cpu_quant.export.model import export_methods, load_static_lm  # noqa: E402
 from cpu_quant.export.pipeline import PhoneExportSettings  # noqa: E402
 from cpu_quant.export.pipeline import export_phone as run_export  # noqa: E402

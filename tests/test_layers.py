@@ -19,16 +19,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cpu_quant"
 # (module prefix, layer); the longest matching prefix wins
 LAYERS: dict[str, int] = {
     "cpu_quant.core": 0, "cpu_quant.data": 0, "cpu_quant.models": 0, "cpu_quant.hub": 0,
-    "cpu_quant.formats": 1, "cpu_quant.formats.cpu_int4.kernel": 1, "cpu_quant.runtime_patches": 1,
+    "cpu_quant.formats": 1, "cpu_quant.runtime_patches": 1,
     "cpu_quant.quantize": 2,
     "cpu_quant.export": 3, "cpu_quant.eval": 3, "cpu_quant.verify": 3, "cpu_quant.report": 3,
     "cpu_quant.convert": 3, "cpu_quant.probe": 3, "cpu_quant.model_card": 3,
     "cpu_quant": 4,  # the package's facade (load_quantized)
-    "cpu_quant.__main__": 4, "cpu_quant.cli": 4, "cpu_quant.cli_support": 4,
-    "cpu_quant.cli_conventions": 4, "cpu_quant.commands_tinygemm": 4, "cpu_quant.after_run": 4,
-    "cpu_quant.launcher": 4, "cpu_quant.vllm_alias": 4,
-    "cpu_quant.export.commands": 4, "cpu_quant.eval.commands": 4, "cpu_quant.verify.commands": 4,
-    "cpu_quant.report.commands": 4,
+    "cpu_quant.__main__": 4, "cpu_quant.cli": 4, "cpu_quant.vllm_alias": 4,
 }
 NAMES = {0: "core", 1: "formats", 2: "quantize", 3: "export/eval/verify/report", 4: "cli"}
 

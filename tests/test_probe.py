@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from cpu_quant.cli.probe import probe as probe_cmd
 from cpu_quant.core.cpu import parse_cpuinfo, parse_meminfo
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.probe import DECISION_TABLE, decide, probe
-from cpu_quant.verify.commands import probe as probe_cmd
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cpuinfo"
 

@@ -20,11 +20,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from cpu_quant.cli.inspect import inspect as inspect_cmd
+from cpu_quant.cli.verify import verify as verify_cmd
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.formats.gptq.layout import pack_gptq_qzeros, unpack_gptq_qweight
 from cpu_quant.verify import inspect_checkpoint, verify_checkpoint
-from cpu_quant.verify.commands import inspect as inspect_cmd
-from cpu_quant.verify.commands import verify as verify_cmd
 
 FOREIGN = Path(__file__).parent / "fixtures" / "foreign"
 INDEX = "model.safetensors.index.json"

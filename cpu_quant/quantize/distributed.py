@@ -1,7 +1,7 @@
 """Data-parallel GPTQ over ``torch.distributed`` (gloo, CPU only): what each rank does.
 
 A run's processes are *ranks* of one gloo process group, started by ``torchrun`` (one host or
-several) or by ``cpu-quant gptq --nproc P`` (one host, ``cpu_quant/launcher.py``); both use
+several) or by ``cpu-quant gptq --nproc P`` (one host, ``cpu_quant/cli/launcher.py``); both use
 PyTorch's own rendezvous and store, and gloo for every transfer. The pipeline
 (``pipeline.py``) runs unchanged on every rank; a :class:`Team` decides the few things that
 differ, and the single process is the plain :class:`Team` (one rank, no transport):

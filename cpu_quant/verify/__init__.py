@@ -3,13 +3,10 @@
 * :func:`verify_checkpoint` (``checks.py``): structural and numerical checks of an artifact of
   any registered format, as :class:`Finding` lines; reads headers and one tensor at a time.
 * :func:`inspect_checkpoint` (``inspect.py``): a human summary from the headers alone.
-* ``findings.py``: :class:`Finding`, which format modules also yield (it imports nothing, so
-  ``cpu_quant.formats`` can use it without importing the checks).
-* ``commands.py``: the click commands ``verify``, ``inspect`` and ``probe`` (the device probe
-  itself lives in :mod:`cpu_quant.probe`).
+* ``source.py``: ``verify --source``, every quantized module read back against the source.
 
-The names below are loaded on first use, so importing ``cpu_quant.core.findings`` does not
-import the checks (which import the formats registry).
+:class:`Finding` lives in ``cpu_quant.core.findings``, which format packages also yield. The
+names below are loaded on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "Finding": "findings",
     "VerifyReport": "checks",
     "verify_checkpoint": "checks",
     "InspectReport": "inspect",

@@ -1,4 +1,4 @@
-"""``cpu-quant eval``: the command's body, so the click layer in ``cli.py`` stays thin."""
+"""``cpu-quant eval``: fidelity of a quantized checkpoint against its bf16 source."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from pathlib import Path
 
 import click
 
-from ..cli_conventions import RunConventions, json_text, stdout_for_json
 from ..core.errors import CpuQuantError
+from ..eval.settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings
 from ..hub import resolve_checkpoint
-from .settings import DEFAULT_EVAL, FULL_EVAL, EvalSettings
+from .conventions import RunConventions, json_text, no_resume_on_interrupt, run_options, stdout_for_json
+from .quantize_run import friendly_errors
 
 
 def eval_settings(full: bool, text: str | None, sizes: dict) -> EvalSettings:
@@ -29,8 +30,8 @@ def _eval_provenance(settings: EvalSettings) -> dict:
 def run_eval(quant: str | None, reference: str | None, full: bool, text: str | None, w4a8: bool,
              save_reference: str | None, reference_logits: str | None,
              output_json: str | None, *, sizes: dict, conv: RunConventions) -> dict:
-    from .fidelity import evaluate_artifact, save_reference_logits
-    from .summary import fidelity_lines
+    from ..eval.fidelity import evaluate_artifact, save_reference_logits
+    from ..eval.summary import fidelity_lines
 
     settings = eval_settings(full, text, sizes)
     if reference_logits and reference:
@@ -83,3 +84,50 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
             raise CpuQuantError(f"cannot write --output-json {output_json}: "
                                 f"{exc.strerror or exc}") from None
     return doc
+
+
+@click.command("eval")
+@click.argument("quant", required=False)
+@click.option("--reference", default=None,
+              help="The bf16 source checkpoint (a directory or a cached Hub id); not needed "
+                   "with --reference-logits.")
+@click.option("--full", is_flag=True,
+              help=f"The full setting: {FULL_EVAL.windows} windows x {FULL_EVAL.seqlen} tokens, "
+                   f"{FULL_EVAL.prompts} greedy prompts x {FULL_EVAL.new_tokens} tokens "
+                   "(explicit options still win).")
+@click.option("--windows", type=int, default=None,
+              help=f"Held-out windows scored [default: {DEFAULT_EVAL.windows}].")
+@click.option("--seqlen", type=int, default=None,
+              help=f"Tokens per window [default: {DEFAULT_EVAL.seqlen}].")
+@click.option("--prompts", type=int, default=None,
+              help=f"Greedy prompts [default: {DEFAULT_EVAL.prompts}].")
+@click.option("--new-tokens", type=int, default=None,
+              help=f"Greedy tokens per prompt [default: {DEFAULT_EVAL.new_tokens}].")
+@click.option("--text", default=None, help="Held-out text file instead of the built-in split.")
+@click.option("--w4a8", is_flag=True,
+              help="Also report fidelity with int8-per-token activations, as vLLM's AMX W4A8 "
+                   "kernel computes (emulated in torch).")
+@click.option("--save-reference", type=click.Path(dir_okay=False), default=None,
+              help="Also save the reference's logits (factored: the output head's input per "
+                   "position and the head), NLLs and greedy tokens to this file (QUANT may then "
+                   "be left out).")
+@click.option("--reference-logits", type=click.Path(dir_okay=False), default=None,
+              help="Score against a file written by --save-reference instead of running the "
+                   "reference (refused if its held-out tokens differ).")
+@click.option("--output-json", type=click.Path(dir_okay=False), default=None,
+              help="Also write the JSON summary (as --json prints it) to this file.")
+@run_options
+@friendly_errors
+@no_resume_on_interrupt("eval")
+def eval_cmd(quant: str | None, reference: str | None, full: bool, text: str | None, w4a8: bool,
+             save_reference: str | None, reference_logits: str | None,
+             output_json: str | None, **opts) -> None:
+    """Fidelity of a quantized checkpoint against its bf16 source on held-out text.
+
+    Reports KL(bf16 || quant) mean ± standard error with its median, p90, p99 and max, the
+    perplexity of each model ± error, the perplexity difference ± error, same top-1 ± error and
+    greedy reproduction (docs/gptq.md#fidelity-cpu-quant-eval).
+    """
+    conv = RunConventions.take(opts)
+    run_eval(quant, reference, full, text, w4a8, save_reference, reference_logits, output_json,
+             sizes=opts, conv=conv)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from ..cli_conventions import json_option, stdout_for_json
-from ..cli_support import friendly_errors
-from .pipeline import DEFAULT_SCHEME, PhoneExportSettings
-from .pipeline import export_phone as run_export_phone
-from .qnn import DEFAULT_SOC
+from ..export.pipeline import DEFAULT_SCHEME, PhoneExportSettings
+from ..export.pipeline import export_phone as run_export_phone
+from ..export.qnn import DEFAULT_SOC
+from .conventions import json_option, stdout_for_json
+from .quantize_run import friendly_errors
 
 
 def _mib(n: int) -> str:

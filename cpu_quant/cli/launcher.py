@@ -28,7 +28,7 @@ import uuid
 
 import click
 
-from .core.errors import CpuQuantError
+from ..core.errors import CpuQuantError
 
 SHUTDOWN_SECONDS = 10  # a stopped run's other ranks: SIGTERM, then SIGKILL after this
 LAUNCHER_NAME = "cpu-quant --nproc"
@@ -91,7 +91,7 @@ def launch_ranks(nproc: int, argv: list[str], threads: int | None) -> int:
     args = list(argv)
     if threads is None:
         args += ["--threads", str(rank_threads(nproc))]
-    from .quantize.distributed import LAUNCHER_ENV
+    from ..quantize.distributed import LAUNCHER_ENV
 
     os.environ[LAUNCHER_ENV] = LAUNCHER_NAME
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks' environment is copied from ours

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .model_card import write_model_card
+from ..model_card import write_model_card
 
 
 def read_report(directory: Path) -> dict | None:
@@ -20,7 +20,7 @@ def read_report(directory: Path) -> dict | None:
 def finish_outputs(outputs: dict[str, str], source: Path, fallback: dict | None = None
                    ) -> list[Path]:
     """Write the card (and the HTML report where a report JSON exists) for each output."""
-    from .report.html import write_report_html
+    from ..report.html import write_report_html
 
     written = []
     for format_name, directory in outputs.items():
@@ -37,7 +37,7 @@ def record_conversion(output: str | Path, format_name: str, source: str | Path) 
     import shlex
     import sys
 
-    from .quantize.pipeline import update_report
+    from ..quantize.pipeline import update_report
 
     if read_report(Path(output)) is not None:
         update_report(Path(output), convert_command_line="cpu-quant " + shlex.join(sys.argv[1:]))

@@ -1,6 +1,6 @@
-"""The click commands ``verify``, ``inspect`` and ``probe`` (added to the ``cpu-quant`` group).
+"""``cpu-quant verify``: check an artifact's structure (and, with ``--source``, its weights).
 
-Exit codes, for all three:
+Exit codes (``inspect`` and ``probe`` follow the same):
 
 * 0: clean (``verify``: no error finding; warnings and infos allowed);
 * 1: ``verify`` found at least one error;
@@ -19,18 +19,11 @@ from pathlib import Path
 
 import click
 
-from ..cli_conventions import json_option, json_text
-from ..cli_support import friendly_errors
 from ..core.findings import SOURCE_MIN_SNR_DB as MIN_SNR_DB
+from .conventions import json_option, json_text
+from .quantize_run import friendly_errors
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
-
-
-_one_line_errors = friendly_errors
-
-
-def _emit_json(doc: dict) -> None:
-    click.echo(json_text(doc))
 
 
 @click.command("verify")
@@ -41,12 +34,12 @@ def _emit_json(doc: dict) -> None:
                    f"below {MIN_SNR_DB:g} dB (swapped, transposed, permuted, wrong scales) is "
                    "an error.")
 @json_option
-@_one_line_errors
+@friendly_errors
 def verify(directory: Path, source: Path | None, as_json: bool) -> None:
     """Check an artifact (a GPTQ or cpu_int4 checkpoint directory, a GGUF file) at DIRECTORY;
     exit 1 when anything is wrong."""
-    from .checks import verify_checkpoint
-    from .source import check_source, compare_with_source
+    from ..verify.checks import verify_checkpoint
+    from ..verify.source import check_source, compare_with_source
 
     if source is not None:
         check_source(source)  # an unusable --source is refused before the artifact's checks
@@ -55,7 +48,7 @@ def verify(directory: Path, source: Path | None, as_json: bool) -> None:
         findings, report.source = compare_with_source(directory, source)
         report.findings.extend(findings)
     if as_json:
-        _emit_json(report.to_json())
+        click.echo(json_text(report.to_json()))
     else:
         for finding in sorted(report.findings, key=lambda f: SEVERITY_ORDER[f.severity]):
             click.echo(finding.line())
@@ -70,43 +63,3 @@ def verify(directory: Path, source: Path | None, as_json: bool) -> None:
         click.echo(f"verify: {len(report.errors)} error(s), {len(report.warnings)} warning(s) "
                    f"({fmt}{conv}, {report.quantized_modules} quantized linears) in {directory}")
     sys.exit(0 if report.ok else 1)
-
-
-@click.command("inspect")
-@click.argument("directory", type=click.Path(path_type=Path))
-@json_option
-@_one_line_errors
-def inspect(directory: Path, as_json: bool) -> None:
-    """Summarise an artifact at DIRECTORY: format, bits per weight, tensors, head, size."""
-    from .inspect import inspect_checkpoint
-
-    report = inspect_checkpoint(directory)
-    if as_json:
-        _emit_json(report.to_json())
-    else:
-        for line in report.lines():
-            click.echo(line)
-
-
-@click.command("probe")
-@click.option("--priority", type=click.Choice(["speed", "fidelity"]), default="speed",
-              show_default=True, help="What to favour when the hardware allows a choice.")
-@click.option("--target", type=click.Choice(["cpu", "phone"]), default="cpu", show_default=True,
-              help="cpu: serve on this kind of machine; phone: export a program for a phone.")
-@click.option("--cpuinfo", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Decide for a recorded /proc/cpuinfo instead of this machine.")
-@click.option("--meminfo", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="A recorded /proc/meminfo to go with --cpuinfo.")
-@json_option
-@_one_line_errors
-def probe(priority: str, target: str, cpuinfo: Path | None, meminfo: Path | None,
-          as_json: bool) -> None:
-    """Read this machine's CPU and say which weight path to build, with the command and why."""
-    from ..probe import probe as run_probe
-
-    result = run_probe(priority, target, cpuinfo, meminfo)
-    if as_json:
-        _emit_json(result.to_json())
-    else:
-        for line in result.lines():
-            click.echo(line)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from .core.errors import CpuQuantError, Interrupted
+from ..core.errors import CpuQuantError, Interrupted
 
 
 def require_working_directory() -> None:
@@ -185,7 +185,7 @@ _DTYPE_SUFFIX = re.compile(r"[-_.](bf16|fp16|f16|fp32|f32|float16|bfloat16)$", r
 def default_output_name(src: Path, kind: str, method: str, group: int) -> str:
     """``<source>-<kind>[-<method>]-w4g<group>``: a trailing dtype tag of the source dropped and
     the method left out when it is the kind, so nothing repeats."""
-    from .hub import checkpoint_name
+    from ..hub import checkpoint_name
 
     name = checkpoint_name(Path(src))
     stem = _DTYPE_SUFFIX.sub("", name) or name

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..cli_conventions import json_option, stdout_for_json
-from ..cli_support import friendly_errors
+from .conventions import json_option, stdout_for_json
+from .quantize_run import friendly_errors
 
 
 @click.command("report")
@@ -17,7 +17,7 @@ from ..cli_support import friendly_errors
 def report(directory: Path, as_json: bool) -> None:
     """Write DIRECTORY/report.html: one self-contained page (inline SVG) of the run's settings,
     bits per weight, weighted SNR, fallbacks, head, fidelity, timings, memory and provenance."""
-    from .html import write_report_html
+    from ..report.html import write_report_html
 
     with stdout_for_json(as_json) as emit:
         out = write_report_html(directory)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from .core.errors import CpuQuantError
-from .quantize.settings import DEFAULT_RANK_TIMEOUT
+from ..core.errors import CpuQuantError
+from ..quantize.settings import DEFAULT_RANK_TIMEOUT
 
 
 def friendly_errors(fn):
@@ -22,7 +22,7 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .quantize.signals import signals_held, sigterm_as_ctrl_c
+        from ..quantize.signals import signals_held, sigterm_as_ctrl_c
 
         try:
             with sigterm_as_ctrl_c():
@@ -47,7 +47,7 @@ def _exit(code: int) -> None:
     shutdown: the launcher's agent stops the other ranks with SIGTERM as soon as one fails, and
     a rank caught by it after its one line would end by that signal, which the launcher reads
     as a rank that could not report (``launcher._failed``) and says a second time."""
-    from .quantize.distributed import LAUNCHER_ENV
+    from ..quantize.distributed import LAUNCHER_ENV
 
     # only a rank that --nproc's launcher started (under torchrun nothing repeats the line)
     if "RANK" in os.environ and os.environ.get(LAUNCHER_ENV):
@@ -79,7 +79,7 @@ class OneLineUsageErrors(click.Group):
         """The process's entry point (``cpu-quant``, ``python -m cpu_quant``; click's test
         runner calls :meth:`main` instead): once the command has decided its exit status, a
         further Ctrl-C or SIGTERM (while Python joins threads at exit, say) exits with it."""
-        from .cli_conventions import exit_on_next_signal
+        from .conventions import exit_on_next_signal
 
         try:
             return super().__call__(*args, **kwargs)
@@ -132,10 +132,10 @@ def _writing_stdout(exc: OSError) -> bool:
 
 def _resolve_source(src: str | None) -> Path:
     if src is not None:
-        from .hub import resolve_checkpoint
+        from ..hub import resolve_checkpoint
 
         return resolve_checkpoint(src)
-    from .models.demo import demo_model_path
+    from ..models.demo import demo_model_path
 
     return demo_model_path()
 
@@ -143,7 +143,7 @@ def _resolve_source(src: str | None) -> Path:
 def _default_destination(src: Path, kind: str, method: str, group: int) -> Path:
     """``./<source>-<kind>[-<method>]-w4g<group>``: the source's dtype suffix dropped, the
     method left out when it is the kind (``SmolLM2-135M-Instruct-gptq-w4g128``)."""
-    from .cli_conventions import default_output_name
+    from .conventions import default_output_name
 
     return Path.cwd() / default_output_name(src, kind, method, group)
 
@@ -177,7 +177,7 @@ def _print_summary(report, dst: Path) -> None:
 
 
 def _print_fidelity(reports: dict) -> None:
-    from .eval.summary import fidelity_lines
+    from ..eval.summary import fidelity_lines
 
     click.echo("\n".join(fidelity_lines(reports)))
 
@@ -265,7 +265,7 @@ def quantize_options(fn):
     ]
     for option in reversed(options):
         fn = option(fn)
-    from .cli_conventions import run_options
+    from .conventions import run_options
 
     return run_options(fn)
 
@@ -273,7 +273,7 @@ def quantize_options(fn):
 def _agree_across_ranks(team, src: str | None, dst: str | None, formats: list, kind: str,
                         opts: dict) -> None:
     """Every rank of a distributed run started with the same command (before any work)."""
-    from .quantize.distributed import agree_on_command
+    from ..quantize.distributed import agree_on_command
 
     flags = {p.name: p.opts[0] for p in click.get_current_context().command.params if p.name}
     options = dict(opts, src=src, dst=str(Path(dst).resolve()) if dst else None, kind=kind,
@@ -282,7 +282,7 @@ def _agree_across_ranks(team, src: str | None, dst: str | None, formats: list, k
 
 
 def _settings_from(opts: dict, symmetric: bool):
-    from .quantize.settings import QuantSettings
+    from ..quantize.settings import QuantSettings
 
     return QuantSettings(
         method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
@@ -297,8 +297,8 @@ def _settings_from(opts: dict, symmetric: bool):
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,
                          kind: str, opts: dict) -> None:
-    from .cli_conventions import RunConventions, stdout_for_json
-    from .quantize.distributed import joined, launched_rank
+    from ..quantize.distributed import joined, launched_rank
+    from .conventions import RunConventions, stdout_for_json
 
     nproc, timeout = opts.pop("nproc"), opts.pop("rank_timeout")
     if nproc is not None and launched_rank():
@@ -323,9 +323,9 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
 
 def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bool, kind: str,
                   opts: dict, conv, team) -> dict:
+    from ..quantize.pipeline import check_formats, quantize_checkpoint, update_report
+    from ..report.phases import PhaseMeter
     from .after_run import finish_outputs
-    from .quantize.pipeline import check_formats, quantize_checkpoint, update_report
-    from .report.phases import PhaseMeter
 
     settings = _settings_from(opts, symmetric)
     settings.validate()
@@ -360,8 +360,8 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
                       "(-v shows them)")
         _print_summary(report, target)
         if "gptq" in report.outputs:
-            from .core.cpu import read_machine
-            from .probe import vllm_gptq_unavailable
+            from ..core.cpu import read_machine
+            from ..probe import vllm_gptq_unavailable
 
             try:
                 why = vllm_gptq_unavailable(read_machine())
@@ -376,7 +376,7 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
         if not opts["no_eval"] and scored is None:
             conv.note("note: no safetensors format was written; the fidelity check is skipped")
         elif not opts["no_eval"]:
-            from .eval.fidelity import EvalSettings, evaluate_artifact
+            from ..eval.fidelity import EvalSettings, evaluate_artifact
 
             conv.note("\nrunning the short fidelity check (--no-eval skips it) ...")
             try:
@@ -384,7 +384,7 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
                     fid = evaluate_artifact(scored, source, EvalSettings.quick(), progress=conv.progress,
                                             variants=("weights", "w4a8_emulated"))
             except KeyboardInterrupt:  # the artifact is complete: nothing to resume
-                from .core.errors import Interrupted
+                from ..core.errors import Interrupted
 
                 finish_outputs(report.outputs, source, fallback=asdict(report))
                 raise Interrupted(f"fidelity check interrupted; {target} is complete (without a "
@@ -415,9 +415,9 @@ def _interrupted_after_commit(outputs: dict[str, str], source: Path, target: Pat
                               ) -> CpuQuantError:
     """Ctrl-C or SIGTERM after DST was put in place: finish its model card and report.html
     (a moment; further signals wait for it) and say truthfully what DST holds."""
+    from ..core.errors import Interrupted
+    from ..quantize.signals import signals_held
     from .after_run import finish_outputs, read_report
-    from .core.errors import Interrupted
-    from .quantize.signals import signals_held
 
     with signals_held():
         reports = [r for r in (read_report(Path(d)) for d in outputs.values()) if r is not None]
@@ -437,7 +437,7 @@ def _command_line() -> str:
 def _safetensors_outputs(outputs: dict[str, str]) -> list[str]:
     """The outputs in safetensors formats: they hold the same weights (the same codes and bf16
     scales, every other tensor bf16), so one fidelity score serves them all."""
-    from .formats import SafetensorsFormat, get_format
+    from ..formats import SafetensorsFormat, get_format
 
     return [d for name, d in outputs.items() if isinstance(get_format(name), SafetensorsFormat)]
 
