@@ -37,7 +37,7 @@ ARMS = ("fp32", "8da8w", "8da4w", "8da4w-nosmooth", "w8a16", "16a4w")
 BASELINE = "fp32"
 # an arm is a scheme, with export settings of its own where its name says so
 SCHEME = {arm: arm.split("-")[0] for arm in ARMS}
-ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False}}  # export-phone --no-gptq-smooth
+ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False}}  # export-phone --no-smooth
 BACKEND = {arm: "qnn" if SCHEME[arm] in ("w8a16", "16a4w") else "xnnpack" for arm in ARMS}
 
 

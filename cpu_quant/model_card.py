@@ -15,26 +15,7 @@ import re
 import shlex
 from pathlib import Path
 
-SERVE = {
-    "gptq": ("vLLM (stock kernels: AVX-512 or AMX CPUs)",
-             "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
-    "cpu_int4": ("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads the "
-                 "plugin through its `vllm.general_plugins` entry point, no flag needed)",
-                 "VLLM_CPU_KVCACHE_SPACE=1 vllm serve {dir}"),
-}
-NO_REPACK_WHY = ("`--no-repack` turns off llama.cpp's weight repacking: on CPUs with AMX, "
-                 "llama.cpp repacks Q4_0 weights for AMX and then crashes (SIGSEGV) at the "
-                 "first token; without repacking it runs on every CPU.")
-
-
-def serve_command(format_name: str, target: Path) -> tuple[str, str, list[str]]:
-    """How to serve an artifact: the runtime, its command, and lines that explain it."""
-    if format_name == "gguf":
-        from .formats.gguf.format import llama_cpp_command
-
-        return "llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)), [NO_REPACK_WHY]
-    what, serve = SERVE.get(format_name, ("see the cpu-quant docs", "{dir}"))
-    return what, serve.format(dir=str(target)), []
+from .formats import get_format
 
 
 def _front_matter(readme: Path) -> dict[str, str]:
@@ -214,7 +195,8 @@ def model_card_text(directory: Path, report: dict, source: Path, format_name: st
     licence, where = source_licence(source)
     base = _base_model(source)
     name = Path(directory).name
-    what, serve_cmd, serve_notes = serve_command(format_name, Path(directory))
+    serving = get_format(format_name).serving(Path(directory))
+    what, serve_cmd, serve_notes = serving.runtime, serving.command, list(serving.notes)
     lines = [
         "---",
         f"license: {licence or 'unknown'}",

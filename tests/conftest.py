@@ -131,7 +131,7 @@ def vllm_gptq_unavailable() -> str | None:
     layers on tinygemm on x86 with AVX2 or AVX-512, so only stock vLLM's limits remain
     elsewhere)."""
     from cpu_quant.core.cpu import read_machine
-    from cpu_quant.probe import vllm_gptq_unavailable as why
+    from cpu_quant.formats.gptq.serving import vllm_gptq_unavailable as why
 
     return why(read_machine())
 
@@ -140,7 +140,7 @@ def stock_vllm_gptq_unavailable() -> str | None:
     """Why stock vLLM (no cpu_quant plugin, or its GPTQ kernel switched off) cannot run a GPTQ
     checkpoint on this CPU (no AVX-512: its AVX2 kernel library lacks cpu_gemm_wna16), or None."""
     from cpu_quant.core.cpu import read_machine
-    from cpu_quant.probe import stock_vllm_gptq_unavailable as why
+    from cpu_quant.formats.gptq.serving import stock_vllm_gptq_unavailable as why
 
     return why(read_machine())
 

@@ -157,7 +157,7 @@ def _check_metrics(result: dict, names: set[str]) -> None:
 
 def test_runtime_suite_smoke(tmp_path_factory):
     from cpu_quant.core.cpu import read_machine
-    from cpu_quant.probe import vllm_gptq_unavailable
+    from cpu_quant.formats.gptq.serving import vllm_gptq_unavailable
 
     result = _run_smoke("runtime", tmp_path_factory.mktemp("bench-runtime"))
     assert result["suite"] == "runtime" and result["baseline"] == "bf16"

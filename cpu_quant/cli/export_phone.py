@@ -7,7 +7,7 @@ import click
 from ..export.pipeline import DEFAULT_SCHEME, PhoneExportSettings
 from ..export.pipeline import export_phone as run_export_phone
 from ..export.qnn import DEFAULT_SOC
-from .conventions import json_option, stdout_for_json
+from .conventions import RunConventions, overwrite_option, run_options, stdout_for_json
 from .quantize_run import friendly_errors
 
 
@@ -87,30 +87,31 @@ def print_summary(report: dict, out: str) -> None:
 @click.option("--calib-samples", type=int, default=16, show_default=True,
               help="Calibration windows of min(128, --max-seq-len) tokens (QNN activations, "
                    "8-bit scale search, 8da8w smoothing); 0 = none of these, for comparison "
-                   "only (the GPTQ run keeps --gptq-samples).")
-@click.option("--gptq-samples", type=int, default=128, show_default=True,
-              help="Calibration windows of the GPTQ run (8da4w/16a4w without --quantized).")
-@click.option("--gptq-seqlen", type=int, default=512, show_default=True,
-              help="Tokens per window of the GPTQ run.")
-@click.option("--gptq-smooth/--no-gptq-smooth", default=None,
+                   "only (the GPTQ run keeps --samples).")
+@click.option("--samples", "--gptq-samples", "gptq_samples", type=int, default=128,
+              show_default=True,
+              help="Calibration windows of the GPTQ run (8da4w/16a4w without --quantized), as "
+                   "gptq's --samples.")
+@click.option("--seqlen", "--gptq-seqlen", "gptq_seqlen", type=int, default=512,
+              show_default=True, help="Tokens per window of the GPTQ run, as gptq's --seqlen.")
+@click.option("--smooth/--no-smooth", "--gptq-smooth/--no-gptq-smooth", "gptq_smooth", default=None,
               help="The GPTQ run folds activation smoothing into the weights first (`cpu-quant "
                    "gptq --smooth`), and the program takes the folded norms. Default: on for "
                    "8da4w (int8 activations), off for 16a4w. An artifact given with --quantized "
                    "brings its own folds.")
-@click.option("--group-size", type=int, default=32, show_default=True,
+@click.option("--group", "--group-size", "group_size", type=int, default=32, show_default=True,
               help="8da4w: the group of the GPTQ run made here, 32, 64 or 128 (a linear it "
                    "does not divide takes the largest smaller one that does, else 8-bit "
                    "weights; reported). With --quantized, the artifact's groups.")
 @click.option("--soc", default=DEFAULT_SOC, show_default=True,
               help="Qualcomm SoC for the HTP lowering (used only with QNN_SDK_ROOT).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-@json_option
+@overwrite_option
+@run_options
 @friendly_errors
 def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized: str | None,
                  max_seq_len: int, prefill_len: int, calib: str | None, calib_samples: int,
                  gptq_samples: int, gptq_seqlen: int, gptq_smooth: bool | None, group_size: int,
-                 soc: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
+                 soc: str, overwrite: bool, **opts) -> None:
     """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
 
     Nothing is written to OUT unless the program, run by ExecuTorch's runtime on held-out text,
@@ -122,7 +123,8 @@ def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized
         calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc,
         quantized=quantized, gptq_samples=gptq_samples, gptq_seqlen=gptq_seqlen,
         gptq_smooth=gptq_smooth)
-    with stdout_for_json(as_json) as emit:
-        report = run_export_phone(src, out, settings, overwrite=overwrite, progress=not quiet)
+    conv = RunConventions.take(opts)
+    with stdout_for_json(conv.as_json) as emit:
+        report = run_export_phone(src, out, settings, overwrite=overwrite, progress=conv.progress)
         print_summary(report, out)
         emit({"command": "export-phone", "output": out, **report})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..formats import DEFAULT_FORMAT, formats_help, parse_formats
 from .quantize_run import friendly_errors, quantize_options, run_quantize_command
 
 
@@ -11,10 +12,10 @@ from .quantize_run import friendly_errors, quantize_options, run_quantize_comman
 @click.argument("src", required=False)
 @click.argument("dst", required=False)
 @quantize_options
-@click.option("--format", "format_list", default="gptq", show_default=True,
-              help="Formats to write from the one calibrated run, comma-separated: gptq (vLLM), "
-                   "cpu_int4 (tinygemm), gguf (llama.cpp, Q4_0). With one format DST is that "
-                   "artifact; with several, DST holds one subdirectory per format.")
+@click.option("--format", "format_list", default=DEFAULT_FORMAT, show_default=True,
+              help=f"Formats to write from the one calibrated run, comma-separated: "
+                   f"{formats_help()}. With one format DST is that artifact; with several, DST "
+                   "holds one subdirectory per format.")
 @friendly_errors
 def gptq(src: str | None, dst: str | None, format_list: str, **opts) -> None:
     """Calibrated symmetric 4-bit GPTQ checkpoint for vLLM's CPU kernels.
@@ -24,6 +25,4 @@ def gptq(src: str | None, dst: str | None, format_list: str, **opts) -> None:
     ./<source>-gptq[-<method>]-w4g<group>. DST also gets README.md (a model card) and
     report.html.
     """
-    from ..formats import parse_formats
-
     run_quantize_command(src, dst, parse_formats(format_list), True, "gptq", opts)

@@ -13,6 +13,7 @@ import click
 
 from ..core.errors import CpuQuantError
 from ..quantize.settings import DEFAULT_RANK_TIMEOUT
+from .conventions import overwrite_option, run_options
 
 
 def friendly_errors(fn):
@@ -244,9 +245,7 @@ def quantize_options(fn):
         click.option("--strict-group", is_flag=True,
                      help="Refuse modules that --group does not divide instead of using a smaller group."),
         click.option("--no-eval", is_flag=True, help="Skip the short fidelity check at the end."),
-        click.option("--overwrite", is_flag=True,
-                     help="Replace DST when it is a cpu-quant artifact or an empty directory "
-                          "(swapped in atomically)."),
+        overwrite_option,
         click.option("--resume", is_flag=True,
                      help="Continue an interrupted or killed run from its last completed layer "
                           "(same source contents, settings and calibration only; Ctrl-C or "
@@ -265,8 +264,6 @@ def quantize_options(fn):
     ]
     for option in reversed(options):
         fn = option(fn)
-    from .conventions import run_options
-
     return run_options(fn)
 
 
@@ -359,18 +356,17 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
             conv.note(f"note: ... {len(report.plan_notes) - shown} more in quantization_report.json "
                       "(-v shows them)")
         _print_summary(report, target)
-        if "gptq" in report.outputs:
-            from ..core.cpu import read_machine
-            from ..probe import vllm_gptq_unavailable
+        from ..core.cpu import read_machine
+        from ..formats import get_format
 
-            try:
-                why = vllm_gptq_unavailable(read_machine())
-            except CpuQuantError:  # no /proc/cpuinfo: nothing to say
-                why = None
+        try:
+            facts = read_machine()
+        except CpuQuantError:  # no /proc/cpuinfo: nothing to say
+            facts = None
+        for name, out in report.outputs.items():
+            why = None if facts is None else get_format(name).unservable_here(facts, Path(out))
             if why:
-                conv.note(f"note: stock vLLM cannot serve this checkpoint on this machine: {why}. "
-                          "Serve it on an AVX-512 or AMX CPU, or repack it for this one with "
-                          f"`cpu-quant convert {report.outputs['gptq']} DST --to cpu_int4` (bit-exact)")
+                conv.note(f"note: {why}")
         fidelity = None
         scored = _evaluated_output(report.outputs)
         if not opts["no_eval"] and scored is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from ..formats import format_for_command
 from .quantize_run import friendly_errors, quantize_options, run_quantize_command
 
 
@@ -28,7 +29,5 @@ def tinygemm(src: str | None, dst: str | None, sym: bool, **opts) -> None:
     result loads with ``vllm serve DST`` (through the cpu_quant plugin) or
     ``cpu_quant.load_quantized(DST)``.
     """
-    from ..formats import get_format
-
-    run_quantize_command(src, dst, [get_format("cpu_int4")], sym,
-                         "cpu_int4-sym" if sym else "cpu_int4", opts)
+    fmt = format_for_command("tinygemm")
+    run_quantize_command(src, dst, [fmt], sym, f"{fmt.name}-sym" if sym else fmt.name, opts)

@@ -65,9 +65,9 @@ OVERLAP_NGRAM = 24
 
 # the settings that are command-line options, by their flag; the rest only the Python API sets
 SETTING_NAMES = {"prefill_len": "--prefill-len", "calib_samples": "--calib-samples",
-                 "max_seq_len": "--max-seq-len", "group_size": "--group-size",
-                 "gptq_samples": "--gptq-samples", "gptq_seqlen": "--gptq-seqlen",
-                 "gptq_smooth": "--gptq-smooth"}
+                 "max_seq_len": "--max-seq-len", "group_size": "--group",
+                 "gptq_samples": "--samples", "gptq_seqlen": "--seqlen",
+                 "gptq_smooth": "--smooth"}
 
 
 @dataclass
@@ -109,12 +109,12 @@ class PhoneExportSettings:
             raise CpuQuantError(f"--quantized gives the 4-bit codes of {' and '.join(FOUR_BIT_SCHEMES)}; "
                                 f"--scheme {scheme} does not take them")
         if self.gptq_smooth and not self.runs_gptq:
-            raise CpuQuantError("--gptq-smooth applies to the GPTQ run of 8da4w and 16a4w "
+            raise CpuQuantError("--smooth applies to the GPTQ run of 8da4w and 16a4w "
                                 "without --quantized (an artifact brings its own folds)")
         if self.quantized is not None and not Path(self.quantized).is_dir():
             raise CpuQuantError(f"--quantized {self.quantized}: not a directory")
         if self.group_size not in PHONE_GROUPS:
-            raise CpuQuantError(f"--group-size must be one of {', '.join(map(str, PHONE_GROUPS))}, "
+            raise CpuQuantError(f"--group must be one of {', '.join(map(str, PHONE_GROUPS))}, "
                                 f"got {self.group_size}")
         for name, least in (("prefill_len", 1), ("calib_len", 1), ("verify_len", 1),
                             ("verify_windows", 1), ("gen_tokens", 1), ("calib_samples", 0),
@@ -274,7 +274,7 @@ def gptq_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     if not settings.runs_gptq:
         return []
     return _windows(tok, load_texts(settings.calib, "calibration"), settings.gptq_samples,
-                    settings.gptq_seqlen, f"--gptq-seqlen {settings.gptq_seqlen}")
+                    settings.gptq_seqlen, f"--seqlen {settings.gptq_seqlen}")
 
 
 def _windows(tok, texts: list[str], samples: int, length: int, what: str) -> list[list[int]]:

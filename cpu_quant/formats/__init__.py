@@ -13,21 +13,25 @@ from __future__ import annotations
 
 from . import cpu_int4, gguf, gptq  # noqa: F401  (registration)
 from .base import (
+    DEFAULT_FORMAT,
     Format,
     Limits,
     TensorSpec,
     combined_limits,
+    format_for_command,
     format_for_quant_method,
     format_names,
     format_owning,
+    formats_help,
     get_format,
     parse_formats,
+    repackable_format_names,
 )
 from .safetensors import SafetensorsFormat
 from .sink import ArtifactInfo, Sink
 
 __all__ = [
-    "ArtifactInfo", "Format", "Limits", "SafetensorsFormat", "Sink", "TensorSpec",
+    "DEFAULT_FORMAT", "ArtifactInfo", "Format", "Limits", "SafetensorsFormat", "Sink", "TensorSpec",
     "combined_limits", "format_for_quant_method", "format_names", "format_owning", "get_format",
-    "parse_formats",
+    "parse_formats", "format_for_command", "formats_help", "repackable_format_names",
 ]

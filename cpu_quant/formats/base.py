@@ -26,11 +26,21 @@ from ..core.grid import GroupQuant
 from .sink import ArtifactInfo, Sink
 
 if TYPE_CHECKING:
-    pass
+    from ..core.cpu import CpuFacts
 
 REGISTRY: dict[str, type[Format]] = {}
 
 Shape = Callable[[int, int, int, int], tuple[int, ...]]  # (N, K, groups, bits) -> shape
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How an artifact is served: the runtime, the command for this artifact, and lines that
+    explain the command."""
+
+    runtime: str
+    command: str
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,12 @@ class Format:
     # modules (``NAME``, ``ENV_SWITCH``, ``apply()``); full module names, in the format's package
     vllm_method: ClassVar[str | None] = None
     vllm_patches: ClassVar[tuple[str, ...]] = ()
+    summary: ClassVar[str] = ""  # what reads it, for the command line's help
+    command: ClassVar[str | None] = None  # the command that writes this format alone, if any
+    repackable: ClassVar[bool] = False  # convert writes it (modules packed one by one)
+    # a config file some writers of this format keep beside config.json instead of its
+    # quantization_config (AutoGPTQ's quantize_config.json); read when config.json has none
+    legacy_config_file: ClassVar[str | None] = None
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -106,6 +122,16 @@ class Format:
             raise TypeError(f"format {name!r} registered twice")
         cls.name = name
         REGISTRY[name] = cls
+
+    def serving(self, target: Path) -> Serving:
+        """How an artifact of this format at ``target`` is served (the model card and the
+        command's closing note print it)."""
+        return Serving("see the cpu-quant docs", str(target))
+
+    def unservable_here(self, facts: CpuFacts, target: Path) -> str | None:
+        """Why what cpu-quant installs cannot serve ``target`` on a CPU of ``facts``, and what
+        to do instead; None when it can."""
+        return None
 
     def open_sink(self, directory: Path, n_layers: int, resume_state: dict | None) -> Sink:
         raise NotImplementedError
@@ -141,6 +167,9 @@ class Format:
 
 
 # -- the registry ---------------------------------------------------------------------------------
+DEFAULT_FORMAT = "gptq"  # what ``gptq`` writes without --format, and a run without formats
+
+
 def get_format(name: str) -> Format:
     try:
         return REGISTRY[name]()
@@ -150,6 +179,22 @@ def get_format(name: str) -> Format:
 
 def format_names() -> list[str]:
     return sorted(REGISTRY)
+
+
+def format_for_command(command: str) -> Format:
+    """The format that the command ``command`` writes alone."""
+    return next(cls() for cls in REGISTRY.values() if cls.command == command)
+
+
+def repackable_format_names() -> list[str]:
+    """The formats ``convert`` writes: those whose modules ``pack``/``unpack`` one by one."""
+    return [name for name, cls in sorted(REGISTRY.items()) if cls.repackable]
+
+
+def formats_help() -> str:
+    """``name (what reads it)`` of every format, for the command line's help."""
+    order = sorted(REGISTRY.items(), key=lambda kv: (kv[0] != DEFAULT_FORMAT, kv[0]))
+    return ", ".join(f"{name} ({cls.summary})" if cls.summary else name for name, cls in order)
 
 
 def format_for_quant_method(quant_method: str | None) -> Format | None:

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 class SafetensorsFormat(Format):
     """A format of per-module safetensors tensors plus ``quantization_config`` in config.json."""
 
+    repackable = True
+
     tensors: ClassVar[tuple[TensorSpec, ...]]
     marker: ClassVar[str]  # the tensor whose shape gives N and K
     scales_suffix: ClassVar[str]

@@ -51,7 +51,7 @@ from ..core.memory import (
 )
 from ..core.naming import HEAD_NAME
 from ..data.corpus import load_texts
-from ..formats import ArtifactInfo, Format, combined_limits, get_format
+from ..formats import DEFAULT_FORMAT, ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
 from . import smooth_fold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
@@ -290,7 +290,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
 
     team = team or Team()
     settings.validate()
-    formats = formats or [get_format("gptq")]
+    formats = formats or [get_format(DEFAULT_FORMAT)]
     limits = check_formats(formats, settings)
     layout = ",".join(f.name for f in formats)
     src = Path(src)

@@ -34,9 +34,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from ..core.memory import anon_rss_bytes
+from ..core.patch_outcome import LEVELS, PatchOutcome
 
 __all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "patch_modules", "register"]
 
@@ -62,27 +62,6 @@ def method_modules() -> list[tuple[str, str]]:
     """(format name, module) of every format that provides a vLLM quantization method."""
     return [(cls.name, cls.vllm_method) for cls in _format_classes() if cls.vllm_method]
 
-# Statuses a PatchOutcome can carry, and the log level each is reported at. "skipped" means the
-# target is missing, changed or already fixed upstream: worth a warning, because the fix is not
-# active. "deferred" means the target module is not imported in this process yet; the patch logs
-# a second line when it is.
-_LEVELS = {
-    "applied": logging.INFO,
-    "deferred": logging.INFO,
-    "off": logging.INFO,
-    "absent": logging.INFO,
-    "skipped": logging.WARNING,
-    "failed": logging.ERROR,
-}
-
-
-@dataclass(frozen=True)
-class PatchOutcome:
-    """What happened to one patch in this process."""
-
-    name: str
-    status: str  # one of _LEVELS
-    reason: str
 
 
 _lock = threading.Lock()
@@ -90,7 +69,7 @@ _outcomes: list[PatchOutcome] | None = None
 
 
 def log_outcome(outcome: PatchOutcome) -> PatchOutcome:
-    logger.log(_LEVELS[outcome.status], "cpu_quant patch %s: %s (%s)", outcome.name,
+    logger.log(LEVELS[outcome.status], "cpu_quant patch %s: %s (%s)", outcome.name,
                outcome.status, outcome.reason)
     return outcome
 

@@ -35,7 +35,7 @@ import inspect
 import logging
 from typing import Any
 
-from . import PatchOutcome
+from ..core.patch_outcome import PatchOutcome
 
 NAME = "aot_cache"
 ENV_SWITCH = "CPU_QUANT_PATCH_AOT_CACHE"

@@ -36,7 +36,7 @@ import logging
 import textwrap
 from typing import Any
 
-from . import PatchOutcome
+from ..core.patch_outcome import PatchOutcome
 
 NAME = "kv_budget"
 ENV_SWITCH = "CPU_QUANT_PATCH_KV_BUDGET"

@@ -44,7 +44,8 @@ from types import ModuleType
 from typing import Any
 
 from ..core.memory import allocator_releasers, anon_rss_bytes
-from . import PatchOutcome, log_outcome
+from ..core.patch_outcome import PatchOutcome
+from . import log_outcome
 
 NAME = "release_memory"
 ENV_SWITCH = "CPU_QUANT_PATCH_RELEASE_MEMORY"

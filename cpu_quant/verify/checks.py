@@ -47,6 +47,7 @@ from ..formats import (
     format_owning,
     get_format,
 )
+from ..formats.base import REGISTRY
 
 __all__ = ["SEVERITIES", "Finding", "VerifyReport", "verify_checkpoint"]
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
@@ -171,14 +172,16 @@ def load_quantization_config(root: Path, config: dict) -> dict | None:
     qcfg = config.get("quantization_config")
     if isinstance(qcfg, dict):
         return qcfg
-    legacy = root / "quantize_config.json"  # AutoGPTQ wrote the config beside config.json
-    if legacy.is_file():
+    for cls in REGISTRY.values():  # a config some writers keep beside config.json
+        legacy = root / cls.legacy_config_file if cls.legacy_config_file else None
+        if legacy is None or not legacy.is_file():
+            continue
         try:
             data = json.loads(legacy.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CpuQuantError(f"{legacy}: not valid JSON") from None
         if isinstance(data, dict):
-            data.setdefault("quant_method", "gptq")
+            data.setdefault("quant_method", cls.quant_methods[0])
             return data
     return None
 
@@ -272,9 +275,6 @@ def check_config(ctx: Context) -> Iterator[Finding]:
     # wrong types are reported once, by config_unusable
     if isinstance(group, int) and (problem := _group_problem(spec, group)) is not None:
         yield _err("group", None, problem)
-    if q.get("desc_act") and group != -1:
-        yield _err("config", None, "desc_act is true (act-order): vLLM rejects act-order GPTQ "
-                   "checkpoints, and its CPU path drops g_idx, so the groups would be read wrong")
     yield from spec.config_findings(q)
     dynamic = q.get("dynamic") or {}
     if not isinstance(dynamic, dict):
@@ -292,9 +292,6 @@ def check_config(ctx: Context) -> Iterator[Finding]:
         if isinstance(override.get("bits"), int) and override["bits"] not in spec.bits:
             yield _err("config", None, f"dynamic rule {pattern!r} sets bits={override['bits']}: "
                        f"{spec.limits.kernel} take only 4-bit weights")
-        if override.get("desc_act") and g != -1:
-            yield _err("config", None, f"dynamic rule {pattern!r} enables desc_act, which vLLM "
-                       "rejects")
 
 
 def check_index(ctx: Context) -> Iterator[Finding]:

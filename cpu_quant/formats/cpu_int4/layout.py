@@ -69,12 +69,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ...core.errors import CpuQuantError
 from ...core.grid import QZERO, GroupQuant
-from ..base import Limits, TensorSpec
+from ..base import Limits, Serving, TensorSpec
 from ..safetensors import SafetensorsFormat
 from ..sink import ArtifactInfo
 
@@ -171,6 +172,13 @@ def cpu_int4_quantization_config(group_size: int, lm_head: bool, dynamic: dict[s
 class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
     quant_methods = (QUANT_METHOD,)
     vllm_method = f"{__package__}.vllm_method"  # the quantization method the plugin registers
+    summary = "tinygemm"
+    command = "tinygemm"
+
+    def serving(self, target: Path) -> Serving:
+        return Serving("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads "
+                       "the plugin through its `vllm.general_plugins` entry point, no flag "
+                       "needed)", f"VLLM_CPU_KVCACHE_SPACE=1 vllm serve {target}")
     # the tinygemm kernel has no one-group-per-row mode; -1 is read only where K is a kernel group
     limits = Limits(groups=(128, 64, 32), row_group=False, k_multiple=32, n_multiple=32,
                     stores_zeros=True, kernel="torch's tinygemm kernel (_weight_int4pack_mm_for_cpu)")

@@ -3,11 +3,12 @@ files."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from ...core.errors import CpuQuantError
 from ...core.findings import Finding
-from ..base import Format, Limits
+from ..base import Format, Limits, Serving
 from .architectures import arch_spec
 from .q4_0 import BLOCK, Q4_0, pack_q4_0, unpack_q4_0
 from .reader import _open, gguf_file_in, inspect, unpack, verify
@@ -18,6 +19,9 @@ from .sink import GGUFSink
 # crashes with SIGSEGV in the first decode (llama-perplexity --kl-divergence, llama-imatrix,
 # llama-cli). With repacking off the weights stay in the file's layout and run everywhere.
 LLAMA_CPP_NO_REPACK = "--no-repack"
+NO_REPACK_WHY = ("`--no-repack` turns off llama.cpp's weight repacking: on CPUs with AMX, "
+                 "llama.cpp repacks Q4_0 weights for AMX and then crashes (SIGSEGV) at the "
+                 "first token; without repacking it runs on every CPU.")
 
 
 def llama_cpp_command(tool: str | Path, model: str | Path, *args: str | Path) -> list[str]:
@@ -32,11 +36,17 @@ def llama_cpp_command(tool: str | Path, model: str | Path, *args: str | Path) ->
 class GGUFFormat(Format, name="gguf"):
     """llama.cpp's GGUF with Q4_0 linears (see the module docstring for the layout)."""
 
+    summary = "llama.cpp, Q4_0"
+
     limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=BLOCK, n_multiple=1,
                     stores_zeros=False, kernel="llama.cpp Q4_0")
 
     def __init__(self, pre_tokenizer: str | None = None) -> None:
         self.pre_tokenizer = pre_tokenizer
+
+    def serving(self, target: Path) -> Serving:
+        return Serving("llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)),
+                       (NO_REPACK_WHY,))
 
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written as GGUF (checked before work)."""

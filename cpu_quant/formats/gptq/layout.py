@@ -37,13 +37,21 @@ specs below, the zero convention against ``checkpoint_format`` and that ``g_idx`
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...core.errors import CpuQuantError
 from ...core.grid import QZERO, GroupQuant
-from ..base import Limits, TensorSpec
+from ..base import Limits, Serving, TensorSpec
 from ..safetensors import SafetensorsFormat
 from ..sink import ArtifactInfo
+from . import serving as gptq_serving
+
+if TYPE_CHECKING:
+    from ...core.cpu import CpuFacts
 
 BITS = 4
 PACK = 32 // BITS
@@ -162,6 +170,14 @@ def gptq_quantization_config(group_size: int, lm_head: bool, dynamic: dict[str, 
 class GPTQFormat(SafetensorsFormat, name="gptq"):
     quant_methods = ("gptq", "auto_gptq")
     vllm_patches = (f"{__package__}.vllm_kernel",)  # symmetric layers on tinygemm
+    summary = "vLLM"
+    legacy_config_file = "quantize_config.json"  # AutoGPTQ's, beside config.json
+
+    def serving(self, target: Path) -> Serving:
+        return gptq_serving.serving(target)
+
+    def unservable_here(self, facts: CpuFacts, target: Path) -> str | None:
+        return gptq_serving.unservable_here(facts, target)
     limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=32, n_multiple=32,
                     stores_zeros=False,
                     kernel="vLLM's CPU kernels (cpu_gemm_wna16 / int4_scaled_mm_cpu)")
@@ -240,15 +256,34 @@ class GPTQFormat(SafetensorsFormat, name="gptq"):
         if pack != "int32":
             yield error("config", None, f"pack_dtype {pack}: vLLM reads GPTQ tensors packed in "
                         "int32")
+        group = q.get("group_size", -1)
+        if q.get("desc_act") and group != -1:
+            yield error("config", None, "desc_act is true (act-order): vLLM rejects act-order "
+                        "GPTQ checkpoints, and its CPU path drops g_idx, so the groups would be "
+                        "read wrong")
         for pattern, override in (q.get("dynamic") or {}).items():
-            if not pattern.startswith("-:") and isinstance(override, dict) \
-                    and override.get("sym") is False:
+            if pattern.startswith("-:") or not isinstance(override, dict):
+                continue
+            if override.get("sym") is False:
                 yield error("config", None, f"dynamic rule {pattern!r} sets sym false, which "
                             "vLLM's GPTQ path does not take")
+            if override.get("desc_act") and override.get("group_size", group) != -1 \
+                    and _compiles(pattern.removeprefix("+:")):
+                yield error("config", None, f"dynamic rule {pattern!r} enables desc_act, which "
+                            "vLLM rejects")
 
     def module_findings(self, ctx):
         yield from _zero_convention_findings(self, ctx)
         yield from _g_idx_findings(ctx)
+
+
+def _compiles(pattern: str) -> bool:
+    """Is ``pattern`` a regex (verify's generic checks report the ones that are not)?"""
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def checkpoint_format(qcfg: dict) -> str:

@@ -45,7 +45,7 @@ import logging
 
 import torch
 
-from ...runtime_patches import PatchOutcome
+from ...core.patch_outcome import PatchOutcome
 
 NAME = "gptq_tinygemm"
 ENV_SWITCH = "CPU_QUANT_PATCH_GPTQ_TINYGEMM"
