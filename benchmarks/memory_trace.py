@@ -35,7 +35,7 @@ import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cpu_quant.core.memory import _libc, anon_rss_bytes
+from cpu_quant.core.memory import anon_rss_bytes, libc
 
 from . import provenance
 from .peers import gptqmodel_env
@@ -55,7 +55,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _mallinfo2():
-    fn = getattr(_libc(), "mallinfo2", None)  # glibc >= 2.33
+    fn = getattr(libc(), "mallinfo2", None)  # glibc >= 2.33
     if fn is None:
         return None
     fn.restype = _MallInfo2

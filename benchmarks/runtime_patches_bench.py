@@ -19,7 +19,7 @@ Arms, differing only in ``VLLM_PLUGINS`` (the A/B switch the plugin promises):
                  patches switched off (``CPU_QUANT_PATCH_{KV_BUDGET,RELEASE_MEMORY,AOT_CACHE}=0``)
 
 Every pass of an arm is one process, ``python -m benchmarks.runtime_patches_bench one-pass
-MODEL OUT.json``, that starts the engine twice through ``tests/runtime_patches_engine.py``
+MODEL OUT.json``, that starts the engine twice through ``benchmarks/vllm_engine.py``
 (the same runner the tests use): a **cold** start with compilation (``enforce_eager`` off) into
 a fresh ``VLLM_CACHE_ROOT`` private to that arm and pass (compile caches key on config, so
 arms must never share one), then a **warm** start on the same cache. Both use
@@ -58,7 +58,7 @@ from pathlib import Path
 from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE = REPO / "tests" / "runtime_patches_engine.py"
+ENGINE = REPO / "benchmarks" / "vllm_engine.py"
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_GPTQ = Path("/tmp/q_gptq_small")
 KV_BYTES = 128 << 20
@@ -82,7 +82,7 @@ PATCH_LINE = re.compile(r"cpu_quant patch (\w+): (\w+)")
 # -- one pass (runs in its own process) --------------------------------------------------------
 def _start(model: str, env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(ENGINE), model, "--compile", "--kv-bytes", str(KV_BYTES)]
-    from tests.runtime_patches_engine import run_process_tree
+    from .vllm_engine import run_process_tree
 
     returncode, out, err, wall = run_process_tree(cmd, env, ENGINE_TIMEOUT_S)
     log = out + err

@@ -266,14 +266,14 @@ def memory_attribution(llm) -> dict:
     weights and of the KV cache (their tensor storages, counted). ``worker_other_bytes`` is the
     worker's RssAnon beside those two counts (allocator, libraries, compiled code, buffers): the
     one figure not counted directly, labelled as such."""
-    from cpu_quant.core.memory import _read_rss_anon_kib, descendant_pids
+    from cpu_quant.core.memory import descendant_pids, read_rss_anon_kib
 
     workers = llm.collective_rpc(_worker_memory)
     front = os.getpid()
     worker_pids = {w["pid"] for w in workers}
     processes = []
     for pid in [front, *descendant_pids(front)]:
-        kib = _read_rss_anon_kib(pid)
+        kib = read_rss_anon_kib(pid)
         if kib is not None:
             processes.append({"pid": pid, "role": _role(pid, front, worker_pids),
                               "rss_anon_bytes": kib * 1024})

