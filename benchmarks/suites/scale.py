@@ -260,7 +260,8 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     q = json.loads(qpath.read_text())
     link = lambda p: f"[{p.name}]({os.path.relpath(p, docs)})"  # noqa: E731
     lines = ["| model (random weights) | calibration tokens | quantize: wall (passes) | "
-             "× compute floor: whole run, forward, Hessians, sweeps | peak RssAnon (bound) | "
+             "× compute floor: whole run; forward, Hessians, sweeps, smoothing | "
+             "peak RssAnon (bound) | "
              "vLLM decode / 512-token prefill / RssAnon × bf16 | result files |",
              "|---|---|---|---|---|---|---|"]
     from cpu_quant.models.shapes import SHAPES
@@ -280,7 +281,8 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
         bound = _median([f["extras"]["memory"]["bound_bytes"] for f in floors])
         floor_total = sum(floor.values())
         tokens = runs[0]["extras"]["calibration_tokens"]
-        ratios = ", ".join(_ratio(phases[p], floor[p]) for p in ("forward", "hessians", "quantize"))
+        ratios = ", ".join(_ratio(phases[p], floor[p])
+                           for p in ("forward", "hessians", "quantize", "smoothing"))
         cells = [f"{model} ({SHAPES[model].parameters() / 1e9:.2f} B)", f"{tokens:,}",
                  f"{_fmt_s(wall)} ({len(runs)})", f"{_ratio(wall, floor_total)}; {ratios}",
                  f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
@@ -302,10 +304,16 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
             cells.append("not measured")
         cells.append("<br>".join(files))
         lines.append("| " + " | ".join(cells) + " |")
+    for model in MODELS:
+        if model not in meta["models"]:
+            lines.append(f"| {model} ({SHAPES[model].parameters() / 1e9:.2f} B) | "
+                         + " | ".join(["not measured"] * 6) + " |")
     lines.append("")
     partial = f" ({meta['partial']})" if meta["partial"] else ""
     lines.append(f"Machine: {meta['cpu']}, {meta['cores']} cores; git {meta['sha'][:7]}{partial}. "
                  f"Command: `python -m benchmarks run scale --arms {','.join(meta['models'])}`.")
+    if q.get("machine_note"):
+        lines.append(f"Note on this run: {q['machine_note']}.")
     return "\n".join(lines)
 
 
