@@ -805,14 +805,17 @@ def test_quantized_is_refused_where_it_does_not_apply(peaked_llama: Path, tmp_pa
     line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
                        "--scheme", "8da8w", "--quantized", str(tmp_path), *SMALL_CLI])
     assert "--quantized gives the 4-bit codes of 8da4w and 16a4w" in line
-    line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
-                       "--scheme", "8da4w", "--group-size", "48", *SMALL_CLI])
-    assert "--group must be one of 32, 64, 128" in line
+    # gptq's option names, and the older names export-phone took first
+    for group in ("--group", "--group-size"):
+        line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
+                           "--scheme", "8da4w", group, "48", *SMALL_CLI])
+        assert "--group must be one of 32, 64, 128" in line, group
     # --smooth: only where the export makes its own GPTQ run
     for extra in (["--scheme", "8da8w"], ["--scheme", "8da4w", "--quantized", str(tmp_path)]):
-        line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
-                           *extra, "--gptq-smooth", *SMALL_CLI])
-        assert "--smooth applies to the GPTQ run of 8da4w and 16a4w" in line, extra
+        for smooth in ("--smooth", "--gptq-smooth"):
+            line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
+                               *extra, smooth, *SMALL_CLI])
+            assert "--smooth applies to the GPTQ run of 8da4w and 16a4w" in line, (extra, smooth)
     assert list(tmp_path.iterdir()) == []
 
 

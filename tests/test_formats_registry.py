@@ -1,0 +1,62 @@
+"""What the command line, the model card and the plugin ask the formats registry: how each
+format is served, where this machine cannot serve it, which command writes it and which formats
+``convert`` writes. No format name is spelled outside its package for these answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cpu_quant.core.cpu import parse_cpuinfo
+from cpu_quant.formats import (
+    DEFAULT_FORMAT,
+    format_for_command,
+    format_names,
+    formats_help,
+    get_format,
+    repackable_format_names,
+)
+from cpu_quant.runtime_patches import method_modules, patch_modules
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cpuinfo"
+SSE_ONLY = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: old x86\nflags\t\t: fpu sse sse2\n"
+
+
+@pytest.mark.parametrize("name", format_names())
+def test_every_format_says_how_its_artifact_is_served(name: str, tmp_path: Path) -> None:
+    serving = get_format(name).serving(tmp_path / "artifact")
+    assert serving.runtime and str(tmp_path / "artifact") in serving.command
+
+
+def test_the_gguf_command_turns_off_llama_cpps_repacking_and_says_why(tmp_path: Path) -> None:
+    serving = get_format("gguf").serving(tmp_path / "m-Q4_0.gguf")
+    assert "--no-repack" in serving.command.split()
+    assert any("AMX" in note for note in serving.notes)
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIXTURES.glob("*.txt")))
+def test_every_recorded_machine_serves_every_format(fixture: str, tmp_path: Path) -> None:
+    facts = parse_cpuinfo((FIXTURES / fixture).read_text())
+    assert all(get_format(n).unservable_here(facts, tmp_path) is None for n in format_names())
+
+
+def test_gptq_on_an_x86_cpu_without_avx2_names_the_repack_that_serves_it(tmp_path: Path) -> None:
+    facts = parse_cpuinfo(SSE_ONLY)
+    why = get_format("gptq").unservable_here(facts, tmp_path / "out")
+    assert why is not None and "cpu_gemm_wna16" in why
+    assert f"cpu-quant convert {tmp_path / 'out'} DST --to cpu_int4" in why
+    assert get_format("cpu_int4").unservable_here(facts, tmp_path) is None
+
+
+def test_commands_and_convert_take_their_formats_from_the_registry() -> None:
+    assert format_for_command("tinygemm").name == "cpu_int4"
+    assert repackable_format_names() == ["cpu_int4", "gptq"]
+    assert formats_help().startswith(f"{DEFAULT_FORMAT} (")
+    assert all(name in formats_help() for name in format_names())
+
+
+def test_the_plugin_loads_the_modules_the_formats_name() -> None:
+    assert method_modules() == [("cpu_int4", "cpu_quant.formats.cpu_int4.vllm_method")]
+    assert patch_modules()[-1] == "cpu_quant.formats.gptq.vllm_kernel"
+    assert all(m.startswith("cpu_quant.runtime_patches.") for m in patch_modules()[:-1])
