@@ -108,8 +108,8 @@ def _bench_argv(src: Path, settings: dict) -> list[str]:
             "--prompt-tokens", str(settings["prompt_tokens"]),
             "--gen-tokens", str(settings["gen_tokens"]),
             "--verify-windows", str(settings["verify_windows"]),
-            "--samples", str(settings["gptq_samples"]),
-            "--seqlen", str(settings["gptq_seqlen"])]
+            "--gptq-samples", str(settings["gptq_samples"]),
+            "--gptq-seqlen", str(settings["gptq_seqlen"])]
 
 
 def check_export(export_dir: Path, arm: str, settings: dict) -> dict:

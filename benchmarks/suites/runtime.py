@@ -43,7 +43,7 @@ depend on trained or calibrated weights, so what is measured is the layout and i
 ``--artifact ARM=DIR`` serves DIR for that arm instead (the knob check above still applies).
 
 **Stock vLLM without AVX-512.** vLLM's own CPU GPTQ kernel exists only in its AVX-512 builds
-(``cpu_quant.probe.stock_vllm_gptq_unavailable``): on a CPU without AVX-512 a real run refuses
+(``cpu_quant.formats.gptq.serving.stock_vllm_gptq_unavailable``): on a CPU without AVX-512 a real run refuses
 to start while ``gptq_stock`` is among its arms, and a smoke run skips the arm and writes why
 into the result (``skipped_arms``). The ``gptq`` arm runs there through the plugin's kernel.
 
@@ -72,9 +72,9 @@ SMOKE = {"decode_tokens": 8, "prompt_len": 32, "eager": True}
 
 def stock_gptq_kernel_missing() -> str | None:
     """Why stock vLLM cannot run the ``gptq_stock`` arm on this CPU, or None when it can
-    (``cpu_quant.probe.stock_vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
+    (``cpu_quant.formats.gptq.serving.stock_vllm_gptq_unavailable`` on this machine's /proc/cpuinfo)."""
     from cpu_quant.core.cpu import read_machine
-    from cpu_quant.probe import stock_vllm_gptq_unavailable
+    from cpu_quant.formats.gptq.serving import stock_vllm_gptq_unavailable
 
     return stock_vllm_gptq_unavailable(read_machine())
 
