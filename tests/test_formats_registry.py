@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cpu_quant.core.cpu import parse_cpuinfo
+from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.formats import (
     DEFAULT_FORMAT,
     format_for_command,
@@ -51,6 +52,8 @@ def test_gptq_on_an_x86_cpu_without_avx2_names_the_repack_that_serves_it(tmp_pat
 
 def test_commands_and_convert_take_their_formats_from_the_registry() -> None:
     assert format_for_command("tinygemm").name == "cpu_int4"
+    with pytest.raises(CpuQuantError, match="no format is written by a command named 'nope'"):
+        format_for_command("nope")
     assert repackable_format_names() == ["cpu_int4", "gptq"]
     assert formats_help().startswith(f"{DEFAULT_FORMAT} (")
     assert all(name in formats_help() for name in format_names())

@@ -183,7 +183,10 @@ def format_names() -> list[str]:
 
 def format_for_command(command: str) -> Format:
     """The format that the command ``command`` writes alone."""
-    return next(cls() for cls in REGISTRY.values() if cls.command == command)
+    for cls in REGISTRY.values():
+        if cls.command == command:
+            return cls()
+    raise CpuQuantError(f"no format is written by a command named {command!r}")
 
 
 def repackable_format_names() -> list[str]:
