@@ -1,6 +1,6 @@
 """Hessians of the linears' inputs: ``H = 2 XᵀX / n``, summed over the calibration batches.
 
-:func:`gram` is the product (symmetric blocks only, bf16 operands with float32 sums);
+:func:`gram` is the product (symmetric blocks only, exact integer sums in float64);
 :class:`GramSum` adds one batch's product after another, in batch order (the one order every
 run uses: a distributed run reproduces it across its ranks, ``distributed.py``);
 :class:`HessianAccumulator` sums it over a layer's forward passes with pre-hooks.
@@ -9,30 +9,11 @@ run uses: a distributed run reproduces it across its ranks, ``distributed.py``);
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from .streaming import LayerDone
-
-
-@contextmanager
-def bf16_products():
-    """float32 matmuls computed by oneDNN from bf16 operands with float32 accumulation.
-
-    The calibration activations are bf16 values already (the model runs in bf16), so rounding
-    the operands to bf16 loses nothing; every product is exact and only the summation order
-    differs from a float32 GEMM. Measured on XᵀX of 4096 x 1536: max error against float64
-    1.3e-6 of the largest entry (float32 GEMM: 3.9e-7), at 0.46x its CPU time. The Hessians
-    are the largest compute of a layer, so this is the one place it is used."""
-    mm = torch.backends.mkldnn.matmul
-    previous = mm.fp32_precision
-    mm.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        mm.fp32_precision = previous
 
 
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -60,52 +41,60 @@ GRAM_BLOCK = 256  # column-block width of :func:`gram`, for inputs up to 4 block
 # the time of 4 blocks (14.6 s against 2.6 s for 4096 x 8192 on a 2-core AMD EPYC); the sums
 # are the same bit for bit whatever the blocks (each entry is one product over the rows)
 GRAM_MAX_BLOCKS = 4
-GRAM_ROWS = 2048  # rows per bf16 product of :func:`gram`, summed in float32
+# fixed point: each column is scaled by a power of two to integers of at most FIXED_BITS bits;
+# the products (2 x 20 bits) of GRAM_ROWS rows (13 bits) sum to at most 2^53, so every float64
+# sum of a slab is an exact integer, whatever order the GEMM adds in
+FIXED_BITS = 20
+GRAM_ROWS = 1 << (53 - 2 * FIXED_BITS)  # 8192 rows per float64 product at most
+SLAB_ELEMENTS = 1 << 24  # and at most 128 MiB of float64 operands per slab
+
+
+def column_exponents(x: torch.Tensor) -> torch.Tensor:
+    """Each column's power of two above its largest magnitude (``max|x| < 2^e``; 0 for a zero
+    column), from the column maxima, which are exact: the same whatever the rows are split
+    into."""
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1], dtype=torch.int32)
+    return torch.frexp(x.abs().amax(0).to(torch.float64)).exponent
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """XᵀX (float32) of x [rows, K], computing only the blocks on and above the diagonal.
+    """XᵀX (float32) of x [rows, K], the same bits on any CPU and at any thread count.
 
-    XᵀX is symmetric, and a GEMM does not know it: products of column blocks ``i <= j`` are
-    computed and the lower blocks are their transposes, so about ``(n+1)/2n`` of the GEMM's
-    work for ``n`` blocks (measured for 4096 x 1536 on 2 cores: 0.73x the time of ``x.t() @
-    x``).
+    Each column is put in fixed point, 20 bits below the power of two above its largest value
+    (:func:`column_exponents`; every bf16 value not below ``2^-13`` of that largest keeps all
+    its bits), so each product is an integer of at most 40 bits and a slab of at most
+    :data:`GRAM_ROWS` rows sums, in float64, to an exact integer: no GEMM kernel, ISA or thread
+    split can round it differently. Each slab's sums are scaled back by powers of two (exact)
+    and rounded once to float32; the slabs are added in row order. Against XᵀX in float64 the
+    result is within float32 rounding plus the fixed point's (the smallest values' last bits),
+    far below the calibration sample's own noise.
 
-    A bf16 ``x`` (the calibration activations of a bf16 model) is multiplied in bf16: every
-    product is exact and oneDNN accumulates in float32, but the GEMM rounds its output to bf16
-    (torch 2.13 has no bf16-in, float32-out GEMM on the CPU). So the rows go in slabs of
-    GRAM_ROWS, each slab's product is rounded once, and the slabs are summed in float32. The
-    roundings are unbiased and independent, so over a layer's 65,536 calibration tokens the
-    Hessian is within about 1e-3 of its largest entry (each diagonal entry within about 1e-3
-    of itself; the test allows 1.5e-3 and 2e-3), far below the calibration sample's own noise;
-    on an AMD EPYC with AVX-512 bf16 (2 cores) it takes 0.62x (K = 576) and 0.56x (K = 1536)
-    the time of the float32 product. Any other dtype is
-    multiplied in float32, as accurately as a float32 GEMM; the summation order, and so the
-    last bits, depend only on the shapes."""
-    k = x.shape[1]
+    Only the blocks on and above the diagonal are multiplied (XᵀX is symmetric and a GEMM does
+    not know it): about ``(n+1)/2n`` of a GEMM's work for ``n`` blocks."""
+    rows, k = x.shape
     n = min(-(-k // GRAM_BLOCK), GRAM_MAX_BLOCKS)
     width = -(-k // n)
-    if x.dtype == torch.bfloat16:
-        slabs = torch.split(x, GRAM_ROWS)
-    else:
-        slabs = (x.to(torch.float32),)
-    sums: dict[tuple[int, int], torch.Tensor] = {}  # (i, j) -> block, contiguous float32
-    with bf16_products():
-        for slab in slabs:
-            cols = [slab[:, a:a + width] for a in range(0, k, width)]
-            for i, xi in enumerate(cols):
-                for j in range(i, len(cols)):
-                    block = xi.t() @ cols[j]
-                    if (i, j) in sums:
-                        sums[i, j].add_(block)
-                    else:
-                        sums[i, j] = block.to(torch.float32)
-    out = torch.empty(k, k, dtype=torch.float32)
-    for (i, j), block in sums.items():
-        a, b = i * width, j * width
-        out[a:a + block.shape[0], b:b + block.shape[1]] = block
-        if j != i:  # the lower blocks mirror the upper ones
-            out[b:b + block.shape[1], a:a + block.shape[0]] = block.t()
+    step = torch.ldexp(torch.ones(k, dtype=torch.float64), column_exponents(x) - FIXED_BITS)
+    slab_rows = max(1, min(GRAM_ROWS, SLAB_ELEMENTS // max(k, 1)))
+    out = torch.zeros(k, k, dtype=torch.float32)
+    starts = range(0, k, width)
+    for r0 in range(0, rows, slab_rows):
+        # integers of at most 20 bits (division by a power of two is exact)
+        ints = torch.round(x[r0:r0 + slab_rows].to(torch.float64) / step)
+        cols = [ints[:, a:a + width] for a in starts]
+        for i, xi in enumerate(cols):
+            for j in range(i, len(cols)):
+                a, b = i * width, j * width
+                block = xi.t() @ cols[j]  # exact integers
+                block.mul_(step[a:a + block.shape[0], None]).mul_(step[None, b:b + block.shape[1]])
+                out[a:a + block.shape[0], b:b + block.shape[1]] += block.to(torch.float32)
+                del block
+        del ints, cols
+    for i in range(len(starts)):  # the lower blocks mirror the upper ones
+        for j in range(i + 1, len(starts)):
+            a, b = i * width, j * width
+            out[b:b + width, a:a + width] = out[a:a + width, b:b + width].t()
     return out
 
 
