@@ -4,6 +4,7 @@
                                    [--arms A,B] [--source CKPT] [--artifact ARM=DIR]
     python -m benchmarks plot RESULT.json [RESULT.json ...] [--out DIR]
     python -m benchmarks tables RESULT.json [RESULT.json ...]
+    python -m benchmarks render [--check]
 
 Suites: ``quantize`` (time and memory of quantizing, cpu-quant vs GPTQModel), ``fidelity``
 (every method's artifact against the bf16 source), ``memory`` (peak RssAnon against depth and
@@ -83,6 +84,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for path in plot_results([Path(p) for p in args.results], Path(args.out)):
         print(path)
     return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from .render import main as render_main
+
+    return render_main(["--check"] if args.check else [])
 
 
 def cmd_tables(args: argparse.Namespace) -> int:
@@ -289,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     tables.add_argument("--relative-to", default=str(RESULTS.parent.parent / "docs"),
                         help="directory the links are relative to (default: docs/)")
     tables.set_defaults(func=cmd_tables)
+    render = sub.add_parser("render", help="rewrite the results pages' rendered tables from the "
+                                           "committed result files")
+    render.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a table differs from its rendering")
+    render.set_defaults(func=cmd_render)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -9,8 +9,9 @@ shape timed here, best of ``REPEATS``):
               dtype (``rows = batch x seqlen`` by ``K`` times ``K`` by ``N``), plus the causal
               attention (``scaled_dot_product_attention`` at the batch's shape)
 ``hessians``  ``XᵀX`` of every distinct linear input (q/k/v share one, gate/up one) on every
-              batch, and the head's input once: a full bf16 GEMM ``[K, rows] x [rows, K]``
-              (the run's product computes only the upper blocks, so it can beat this)
+              batch, and the head's input once: a full float64 GEMM ``[K, rows] x [rows, K]``,
+              the arithmetic whose sums are exact whatever the kernel (``hessians.gram``; the
+              run's product computes only the upper blocks, so it can beat this)
 ``quantize``  GPTQ's sweep: about ``N K²`` FLOPs per linear (the lazy-batch updates), at
               the float32 throughput of ``[N, 128] x [128, K]``, plus one float32 Cholesky of
               each distinct ``K x K`` Hessian
@@ -112,11 +113,11 @@ def measure(checkpoint: Path, samples: int, seqlen: int, batch_size: int,
         t * layers * batches)
     # Hessians: one full XᵀX per distinct input and batch, and the head's once over all tokens
     inputs = {SHARED_INPUT.get(name, name): k for name, (_, k) in linears.items()}
-    xb = x.to(torch.bfloat16)
+    xd = x.to(torch.float64)
     for name, k in {**inputs, "lm_head": hidden}.items():
-        xk = xb[:, :k].contiguous()
+        xk = xd[:, :k].contiguous()
         t = _time_mm(xk.T, xk)
-        shapes[f"hessian {name} [{k},{rows}]x[{rows},{k}] bf16"] = t
+        shapes[f"hessian {name} [{k},{rows}]x[{rows},{k}] float64"] = t
         count = batches if name == "lm_head" else layers * batches
         add("hessians", 2.0 * rows * k * k * count, t * count)
     # sweeps: 2 N K² per linear at the float32 throughput of one lazy-batch update, and a

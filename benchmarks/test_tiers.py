@@ -1,10 +1,11 @@
 """How long CI's steps take: the setup, the unit tier and the end-to-end tier, one run each.
 
-    python -m benchmarks.test_tiers [--setup] [--only unit|e2e] [--out DIR]
+    python -m benchmarks.test_tiers [--setup] [--only unit|unit-xdist|e2e] [--out DIR]
 
 Runs, from the repository root, the commands of ``.ci/run`` in its order: with ``--setup``,
 ``scripts/setup.sh --tests`` first (on a clean clone this is the install CI does); then
-its pytest lines (the unit tier, then the end-to-end tier ``-m e2e``), each with the venv's
+its pytest lines (the unit tier in one process, again on two workers, then the end-to-end
+tier ``-m e2e``), each with the venv's
 Python, exactly as ``.ci/run`` states them. For each step it records the wall time, the exit
 status, pytest's closing line (passed / skipped / failed counts and pytest's own time), every
 test's seconds (setup, call and teardown, from a JUnit XML report the runner asks pytest for;
@@ -43,8 +44,8 @@ SUMMARY_RE = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d
 
 def steps(with_setup: bool) -> list[tuple[str, list[str]]]:
     """The commands of ``.ci/run``, in its order, as (name, argv): the setup (only
-    ``with_setup``), then each pytest line, named ``e2e`` when it selects ``-m e2e`` and
-    ``unit`` otherwise."""
+    ``with_setup``), then each pytest line, named ``e2e`` when it selects ``-m e2e``, else
+    ``unit-xdist`` when it runs on workers (``-n``) and ``unit`` in one process."""
     out = []
     for line in (REPO / ".ci" / "run").read_text().splitlines():
         argv = shlex.split(line, comments=True)
@@ -52,7 +53,7 @@ def steps(with_setup: bool) -> list[tuple[str, list[str]]]:
             out.append(("setup", argv))
         elif argv[:3] == [".venv/bin/python", "-m", "pytest"]:
             marks = [argv[i + 1] for i in range(3, len(argv) - 1) if argv[i] == "-m"]
-            name = "e2e" if "e2e" in marks else "unit"
+            name = "e2e" if "e2e" in marks else "unit-xdist" if "-n" in argv else "unit"
             out.append((name, [str(REPO / argv[0]), *argv[1:]]))
     return out
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.test_tiers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="store_true", help="run scripts/setup.sh --tests first")
-    ap.add_argument("--only", choices=("unit", "e2e"), default=None,
+    ap.add_argument("--only", choices=("unit", "unit-xdist", "e2e"), default=None,
                     help="time this tier alone (the result says which steps ran)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)

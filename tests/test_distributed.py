@@ -5,9 +5,9 @@ starts them: ``torchrun --standalone`` (``python -m torch.distributed.run``), ``
 --nproc``, and by hand with torch's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``.
 What they must do:
 
-* write the artifact a single process writes, bit for bit, with the same threads per process
+* write the artifact a single process writes, bit for bit, whatever the threads of either
   (no tolerance: the Hessians are the same sums in the same order, the GPTQ rows the same
-  computation), for 2, 3 and 4 ranks;
+  computation, the factors the same at any thread count), for 2, 3 and 4 ranks;
 * stop every rank with one line and nothing that looks like an output when a rank dies or
   hangs, keeping the finished layers for ``--resume`` (which may use another number of
   ranks);
@@ -180,15 +180,16 @@ def _same(a: Path, b: Path) -> None:
 
 @pytest.mark.e2e
 def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp_path):
-    """2 ranks by torchrun, 3 and 4 by --nproc: the same tensors (the smoothing factors
-    included, whose 2 statistics batches leave 3 and 4 ranks some without any), bit for bit,
-    and the report records the world size, each rank's batches (disjoint, in order, all of
-    them) and time."""
+    """2 ranks by torchrun, 3 and 4 by --nproc (4 at two threads each, the single process at
+    one): the same tensors (the smoothing factors included, whose 2 statistics batches leave 3
+    and 4 ranks some without any), bit for bit, and the report records the world size, each
+    rank's batches (disjoint, in order, all of them), threads and time."""
     args = ["gptq", str(tiny), "--calib", str(calib_text), *TINY_CALIB]
     runs = {2: [*TORCHRUN, "--nproc-per-node", "2", "-m", "cpu_quant", *args[:2],
                 str(tmp_path / "r2"), *args[2:]]}
     for n in (3, 4):
         runs[n] = [*CLI, *args[:2], str(tmp_path / f"r{n}"), *args[2:], "--nproc", str(n)]
+    runs[4] += ["--threads", "2"]  # the last --threads wins
     for n, argv in runs.items():
         proc = _run(argv)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -201,7 +202,8 @@ def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp
         spans = [r["batches"] for r in dist["ranks"]]
         assert spans[0][0] == 0 and spans[-1][1] == 4
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))
-        assert all(r["seconds"] > 0 and r["threads"] == 1 for r in dist["ranks"])
+        threads = 2 if n == 4 else 1
+        assert all(r["seconds"] > 0 and r["threads"] == threads for r in dist["ranks"])
         layers = dist["ranks"][1]["layers"]
         assert [x["layer"] for x in layers] == ["0", "1", "head"]
         assert all(x["bytes_received"] > 0 for x in layers)
@@ -387,14 +389,15 @@ def test_more_ranks_than_batches_is_refused(tiny, calib_text, tmp_path):
 @pytest.mark.e2e
 def test_two_ranks_write_the_demo_models_three_formats(demo_src, demo_formats, tmp_path):
     """The end-to-end tier's shared demo quantization (GPTQ, cpu_int4 and GGUF from one run,
-    small calibration: 2 batches), again as two torchrun ranks with the same threads each as
-    that run: every tensor of both safetensors formats and every byte of the GGUF file equal."""
+    small calibration: 2 batches, torch's default threads), again as two torchrun ranks of
+    three threads each: every tensor of both safetensors formats and every byte of the GGUF
+    file equal."""
     from .conftest import SMALL_CALIB
 
     dst = tmp_path / "demo"
     proc = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "cpu_quant", "gptq", str(demo_src),
                  str(dst), "--group", "128", *SMALL_CALIB, "--no-eval",
-                 "--format", "gptq,cpu_int4,gguf", "--threads", str(torch.get_num_threads())],
+                 "--format", "gptq,cpu_int4,gguf", "--threads", "3"],
                 timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for fmt in ("gptq", "cpu_int4"):

@@ -185,6 +185,12 @@ def compare_records(result: dict) -> list[dict]:
     return rows
 
 
+def again(rows: list[dict]) -> str:
+    if len(rows) < 2:
+        return "one pass"
+    return "yes" if all(r["same_as_first_pass"] for r in rows) else "no"
+
+
 def table(result: dict) -> str:
     """The results page's table: one row per arm, over every pass."""
     rows = compare_records(result)
@@ -200,19 +206,31 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {mine[0]['compute_dtype']} | {len(mine)} | "
                      f"{'yes' if same == len(mine) else f'no ({same} of {len(mine)})'} | "
                      f"{diff_text or '0'} | "
-                     f"{'yes' if all(r['same_as_first_pass'] for r in mine) else 'no'} |")
+                     f"{again(mine)} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.suites.determinism RESULT.json``: print the page's table."""
-    import sys
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the table of the newest result file, with its machine and
+    command."""
+    import os
 
-    args = sys.argv[1:] if argv is None else argv
-    for path in args:
-        print(table(json.loads(Path(path).read_text())))
-    return 0
+    from ..render import machine, newest
+
+    path = newest(results, "determinism-2*.json")
+    if path is None:
+        return "Not measured yet: no result file of this suite is committed."
+    doc = json.loads(path.read_text())
+    meta = machine(doc)
+    partial = f" ({meta['partial']})" if meta["partial"] else ""
+    return "\n".join([
+        table(doc), "",
+        f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git {meta['sha'][:7]}{partial}. "
+        "Command: `python -m benchmarks run determinism`. Result file: "
+        f"[{path.name}]({os.path.relpath(path, docs)})."])
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the results pages' tables, this one included
+    from ..render import main
+
     raise SystemExit(main())

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from ..harness import PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from ..render import machine, newest
 from .quantize import CLI, SuiteOptions, check_cpu_quant_report, smoke_model
 
 MODELS = ("Llama-3.2-1B", "Llama-3.2-3B", "Llama-3-8B")
@@ -204,34 +205,16 @@ def build(opts: SuiteOptions) -> list[Suite]:
 
 # -- the results page's table ----------------------------------------------------------------
 PHASES = ("forward", "hessians", "quantize", "smoothing")
-BEGIN, END = "<!-- scale table: begin -->", "<!-- scale table: end -->"
-
-
-def _newest(results: Path, pattern: str) -> Path | None:
-    """The newest result file of ``pattern`` that holds a pass (a complete one before a
-    partial one of the same time), or None."""
-    files = sorted(results.glob(pattern), key=lambda p: (p.name.split("-")[-1][:16],
-                                                         "partial" not in p.name))
-    for path in reversed(files):
-        doc = json.loads(path.read_text())
-        if "provenance" in doc or doc.get("records"):  # a partial file from its first pass on
-            return path
-    return None
 
 
 def _meta(doc: dict) -> dict:
-    """The machine, git commit and models of a result file, complete or partial (a partial file
-    records the machine and the commit at its start, and no summary)."""
+    """The machine, git commit and models of a result file, complete or partial."""
+    meta = machine(doc)
     if doc.get("complete", True):
-        prov = doc["provenance"]
-        return {"cpu": prov["cpu"]["model"], "cores": prov["threads"]["cpu_count"],
-                "sha": prov["git"]["sha"], "models": prov["settings"]["models"],
-                "partial": None}
-    models = [a.removeprefix("gptq-") for a in doc["arms"] if a.startswith("gptq-")]
-    done = max((r["pass_index"] for r in doc["records"]), default=0) + 1
-    return {"cpu": doc["machine"]["cpu"]["model"], "cores": doc["machine"]["threads"]["cpu_count"],
-            "sha": doc["git_at_start"]["sha"], "models": models,
-            "partial": f"a partial run: {done} of {doc['passes']} passes"}
+        meta["models"] = doc["provenance"]["settings"]["models"]
+    else:
+        meta["models"] = [a.removeprefix("gptq-") for a in doc["arms"] if a.startswith("gptq-")]
+    return meta
 
 
 def _median(values: list[float]) -> float:
@@ -254,7 +237,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     import os
 
     kind = "smoke-" if smoke else ""
-    qpath = _newest(results, f"scale-quantize-{kind}2*.json")
+    qpath = newest(results, f"scale-quantize-{kind}2*.json")
     if qpath is None:
         return "Not measured yet: no result file of this suite is committed."
     q = json.loads(qpath.read_text())
@@ -286,7 +269,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
         cells = [f"{model} ({SHAPES[model].parameters() / 1e9:.2f} B)", f"{tokens:,}",
                  f"{_fmt_s(wall)} ({len(runs)})", f"{_ratio(wall, floor_total)}; {ratios}",
                  f"{peak / 2**30:.2f} GiB ({bound / 2**30:.2f})"]
-        spath = _newest(results, f"scale-serve-{model}-{kind}2*.json")
+        spath = newest(results, f"scale-serve-{model}-{kind}2*.json")
         files = [link(qpath)]
         srv = json.loads(spath.read_text()) if spath is not None else None
         if srv is not None and srv.get("complete", True):
@@ -317,20 +300,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     return "\n".join(lines)
 
 
-def update_page(page: Path, results: Path) -> bool:
-    """Write the rendered table between the page's markers; True when the page changed."""
-    text = page.read_text()
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"{page} has no {BEGIN} ... {END} block")
-    new = f"{head}{BEGIN}\n{render(results, page.parent)}\n{END}{tail}"
-    if new != text:
-        page.write_text(new)
-    return new != text
+if __name__ == "__main__":  # the results pages' tables, this one included
+    from ..render import main
 
-
-if __name__ == "__main__":
-    root = Path(__file__).resolve().parents[2]
-    changed = update_page(root / "docs" / "results.md", root / "benchmarks" / "results")
-    print("docs/results.md " + ("updated" if changed else "unchanged"))
+    raise SystemExit(main())

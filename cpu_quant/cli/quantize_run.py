@@ -253,8 +253,8 @@ def quantize_options(fn):
         click.option("--nproc", type=click.IntRange(min=1), default=None,
                      help="Run as N processes on this host (data-parallel over "
                           "torch.distributed, gloo): each takes a share of the calibration "
-                          "batches, and the artifact is the one a single process writes with "
-                          "the same --threads (threads per process; default: this host's CPUs "
+                          "batches, and the artifact is the one a single process writes, at "
+                          "any --threads (threads per process; default: this host's CPUs "
                           "/ N). Across hosts, start the ranks with torchrun instead (see "
                           "docs/gptq.md)."),
         click.option("--rank-timeout", type=click.FloatRange(min=1), default=DEFAULT_RANK_TIMEOUT,
@@ -320,13 +320,12 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
 
 def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bool, kind: str,
                   opts: dict, conv, team) -> dict:
-    from ..quantize.pipeline import check_formats, quantize_checkpoint, update_report
+    from ..quantize.pipeline import check_request, quantize_checkpoint, update_report
     from ..report.phases import PhaseMeter
     from .after_run import finish_outputs
 
     settings = _settings_from(opts, symmetric)
-    settings.validate()
-    check_formats(formats, settings)  # before resolving (and perhaps downloading) the source
+    limits = check_request(formats, settings)  # before resolving (and perhaps downloading) the source
     source = _resolve_source(src)
     target = Path(dst) if dst else _default_destination(source, kind, settings.method, settings.group_size)
     if not settings.quantize_head:
@@ -341,7 +340,7 @@ def _run_quantize(src: str | None, dst: str | None, formats: list, symmetric: bo
             report = quantize_checkpoint(source, target, settings, formats,
                                          overwrite=opts["overwrite"], resume=opts["resume"],
                                          progress=conv.progress, team=team,
-                                         on_commit=committed.update)
+                                         on_commit=committed.update, checked=limits)
         team.release_signals()
         if not team.writer:
             return {}

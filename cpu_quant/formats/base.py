@@ -69,17 +69,26 @@ class Limits:
     stores_zeros: bool
     kernel: str  # who reads it, named in messages
 
-    def group_problem(self, group: int, k: int | None = None) -> str | None:
-        """Why ``group`` cannot be stored for in-features ``k``; None if it can."""
+    def accepted_groups(self, groups: tuple[int, ...] | None = None) -> str:
+        """The group sizes it stores, as a message lists them (``-1`` first when stored)."""
+        groups = sorted(groups or self.groups)
+        return ", ".join(map(str, (-1, *groups) if self.row_group else groups))
+
+    def group_problem(self, group: int, k: int | None = None,
+                      groups: tuple[int, ...] | None = None) -> str | None:
+        """Why ``group`` cannot be stored for in-features ``k`` (``groups``: the sizes to
+        accept instead of :attr:`groups`, as ``verify`` reads a format); None if it can. The
+        one answer to "can this group be stored?": the plan refuses a flag with it, ``verify``
+        an artifact's config and its modules."""
+        groups = groups or self.groups
         if group == -1:
-            if self.row_group or (k is not None and k in self.groups):
+            if self.row_group or k is None or k in groups:
                 return None
-            return f"one group per row is not stored ({self.kernel} takes groups of " \
-                   f"{', '.join(map(str, self.groups))})"
-        if group not in self.groups:
-            accepted = (-1, *self.groups) if self.row_group else self.groups
+            return f"group -1 means one group of {k}, and {self.kernel} takes only groups of " \
+                   f"{self.accepted_groups(groups)}"
+        if group not in groups:
             return f"group {group} is not one {self.kernel} takes " \
-                   f"({', '.join(map(str, accepted))})"
+                   f"(accepted: {self.accepted_groups(groups)})"
         return None
 
 

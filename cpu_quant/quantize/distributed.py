@@ -25,14 +25,14 @@ differ, and the single process is the plain :class:`Team` (one rank, no transpor
   rows, each cut further into the single process's row blocks), and every rank receives the
   others' codes, scales and zeros (:class:`TeamRows`, 4-bit codes packed two to a byte).
   Every rank so runs the next group and layer on the same quantized weights, true-sequential
-  included. Each rank factors every Hessian itself (the Cholesky's last bits depend on the
-  thread count), so the ranks must run the same number of torch threads: checked at the start.
+  included. Each rank factors every Hessian itself; the factor has the same bits at any thread
+  count (``factor.py``), so the ranks may run different numbers of torch threads.
 * **Output.** Rank 0 writes the artifact through the same staging directory and atomic rename;
   the other ranks write only their batches' resume activations into it (so it must be on a
   filesystem every rank sees: checked at the start). The report records the world size and
   each rank's time, time in collectives and bytes moved (:meth:`GlooTeam.summary`).
 * **Faults.** Before any work the ranks compare their options, cpu-quant's source files and
-  package versions and thread counts (:func:`agree_on_command`), then the run's fingerprint
+  package versions (:func:`agree_on_command`), then the run's fingerprint
   (source model, settings, calibration tokens: ``resume.run_fingerprint``); any difference
   stops every rank. A rank that dies or does not answer within the timeout
   (``--rank-timeout``) makes the others' next collective fail (:class:`RankLost`); they stop,
@@ -564,20 +564,17 @@ def code_digest() -> str:
 
 def agree_on_command(team: Team, options: dict[str, Any], flags: dict[str, str]) -> None:
     """Every rank started with the same options (``flags``: option name -> its flag, for the
-    message), the same cpu-quant source and package versions, and the same torch threads."""
+    message) and the same cpu-quant source and package versions. Their torch threads may
+    differ: the result does not depend on them."""
     if not isinstance(team, GlooTeam):
         return
     mine = {f"option:{k}": v for k, v in sorted(options.items())}
     mine["code"] = code_digest()
-    mine["threads"] = torch.get_num_threads()
 
     def describe(key: str, r: int, theirs: Any, ours: Any) -> str:
         if key == "code":
             return (f"rank {r} runs a different cpu-quant (its source files or torch/transformers "
                     "versions differ from rank 0's): install the same one on every host")
-        if key == "threads":
-            return (f"rank {r} runs {theirs} torch threads, rank 0 runs {ours}: give every rank "
-                    "the same --threads (the result depends on it)")
         name = key.split(":", 1)[1]
         flag = flags.get(name, name)
         return (f"rank {r} was started with {flag} {_shown(theirs)}, rank 0 with {flag} "

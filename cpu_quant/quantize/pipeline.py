@@ -105,8 +105,12 @@ def check_source(ckpt, settings: QuantSettings) -> None:
                             f"{context} tokens (max_position_embeddings)")
 
 
-def check_formats(formats: list[Format], settings: QuantSettings) -> Limits:
-    """Refuse, before any work, what the requested formats cannot hold; their shared limits."""
+def check_request(formats: list[Format], settings: QuantSettings) -> Limits:
+    """Refuse, before any work, settings that contradict each other and what the requested
+    formats cannot hold; their shared limits. Every check of a request that needs no source:
+    the command line calls it before it resolves the source and hands the limits to
+    :func:`quantize_checkpoint`, which then does not check again."""
+    settings.validate()
     for fmt in formats:
         why = fmt.refuse_grid(settings.symmetric)
         if why:
@@ -280,15 +284,18 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, settings: QuantSetting
                         resume: bool = False, progress: bool = True,
                         on_layer: Callable[[int, int], None] | None = None,
                         team: Team | None = None,
-                        on_commit: Callable[[dict[str, str]], None] | None = None
-                        ) -> QuantReport:
+                        on_commit: Callable[[dict[str, str]], None] | None = None,
+                        checked: Limits | None = None) -> QuantReport:
     """Quantize ``src`` into ``dst`` in every one of ``formats`` (default: GPTQ); ``team``:
     this process's rank in a distributed run (``distributed.joined``), by default alone.
     ``on_commit`` gets the outputs (format -> path) the moment DST is in place: from then on
-    an interrupt leaves a complete artifact, and its caller must say so."""
+    an interrupt leaves a complete artifact, and its caller must say so. ``checked``: what
+    :func:`check_request` returned for these formats and settings, when the caller has
+    checked them already (otherwise the run does)."""
     return QuantizationRun(Path(src), dst, settings, formats or [get_format(DEFAULT_FORMAT)],
                            overwrite=overwrite, resume=resume, progress=progress,
-                           on_layer=on_layer, team=team or Team(), on_commit=on_commit).run()
+                           on_layer=on_layer, team=team or Team(), on_commit=on_commit,
+                           checked=checked).run()
 
 
 class QuantizationRun:
@@ -301,8 +308,10 @@ class QuantizationRun:
     def __init__(self, src: Path, dst: str | Path, settings: QuantSettings, formats: list[Format],
                  *, overwrite: bool, resume: bool, progress: bool,
                  on_layer: Callable[[int, int], None] | None, team: Team,
-                 on_commit: Callable[[dict[str, str]], None] | None) -> None:
+                 on_commit: Callable[[dict[str, str]], None] | None,
+                 checked: Limits | None = None) -> None:
         self.src, self.dst, self.settings, self.formats = src, dst, settings, formats
+        self.checked = checked
         self.overwrite, self.resume, self.progress = overwrite, resume, progress
         self.on_layer, self.team, self.on_commit = on_layer, team, on_commit
         self.where = {"phase": "the calibration pass", "saved": 0}
@@ -345,8 +354,7 @@ class QuantizationRun:
     def prepare(self) -> None:
         """Every check that can fail before work, the source opened and every linear planned."""
         settings = self.settings
-        settings.validate()
-        self.limits = check_formats(self.formats, settings)
+        self.limits = self.checked or check_request(self.formats, settings)
         self.layout = ",".join(f.name for f in self.formats)
         check_destination(self.dst, [self.src], self.overwrite)  # fail before any work
         # see MMAP_THRESHOLD: the low pin only where the user traded time for memory

@@ -113,13 +113,9 @@ def linear_group(name: str, settings: QuantSettings, limits: Limits) -> tuple[in
 
 def check_group(flag: str, group: int, limits: Limits) -> None:
     """Refuse, before any work, a group the requested formats cannot store."""
-    if group == -1 and limits.row_group:
-        return
-    if group not in limits.groups:
-        accepted = ", ".join(map(str, ((*limits.groups, -1) if limits.row_group
-                                       else limits.groups)))
+    if limits.group_problem(group) is not None:
         raise CpuQuantError(f"{flag} {group} is not stored by {limits.kernel}: {flag} must be "
-                            f"one of {accepted}")
+                            f"one of {limits.accepted_groups()}")
 
 
 def plan_linear(name: str, in_features: int, out_features: int, group_size: int,

@@ -252,18 +252,9 @@ class Context:
 
 # -- the checks ------------------------------------------------------------------------------------
 def _group_problem(spec: SafetensorsFormat, group: int, k: int | None = None) -> str | None:
-    """Why ``group`` is not one ``spec``'s kernel takes, or None."""
-    groups, kernel = _groups(spec), spec.limits.kernel
-    if group == -1:
-        if spec.limits.row_group or k is None or k in groups:
-            return None
-        return f"group -1 means one group of {k}, and {kernel} takes only groups of " \
-               f"{', '.join(map(str, sorted(groups)))}"
-    if group not in groups:
-        accepted = ", ".join(map(str, (-1, *sorted(groups)) if spec.limits.row_group
-                                 else sorted(groups)))
-        return f"group_size {group} is not accepted by {kernel} (accepted: {accepted})"
-    return None
+    """Why ``group`` is not one ``spec``'s kernel takes (``Limits.group_problem``, with the
+    groups verify accepts), or None."""
+    return spec.limits.group_problem(group, k, _groups(spec))
 
 
 def check_config(ctx: Context) -> Iterator[Finding]:
