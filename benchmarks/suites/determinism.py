@@ -69,6 +69,8 @@ ARMS: dict[str, tuple[int, int, dict[str, str]]] = {
 }
 SMOKE_ARMS = ("threads-1", "threads-2", "isa-avx2")
 BASELINE = "threads-1"
+# compute dtype (the report's) -> the arm each arm of that dtype is compared with
+REFERENCE = {"bfloat16": "threads-1", "float32": "fp32"}
 
 
 def module_of(tensor: str) -> str:
@@ -158,7 +160,8 @@ def layer_key(module: str) -> tuple[int, str]:
 
 
 def compare_records(result: dict) -> list[dict]:
-    """Each arm of each pass against the baseline of the same pass: identical or not, how
+    """Each arm of each pass against the reference of its compute dtype in the same pass
+    (``threads-1`` for bf16, ``fp32`` for float32: :data:`REFERENCE`): identical or not, how
     many modules differ and the first of them (by layer)."""
     rows = []
     by_pass: dict[int, dict[str, dict]] = {}
@@ -170,9 +173,11 @@ def compare_records(result: dict) -> list[dict]:
         for name, ex in by_pass[p].items():
             first_pass.setdefault(name, ex)
     for p in sorted(by_pass):
-        base = by_pass[p].get(BASELINE)
         for name, ex in by_pass[p].items():
-            row = {"arm": name, "pass": p, "compute_dtype": ex.get("compute_dtype")}
+            dtype = ex.get("compute_dtype")
+            ref_name = REFERENCE.get(dtype)
+            row = {"arm": name, "pass": p, "compute_dtype": dtype, "reference": ref_name}
+            base = by_pass[p].get(ref_name)
             if base is not None:
                 diff = sorted((m for m in ex["module_sha256"]
                                if ex["module_sha256"][m] != base["module_sha256"].get(m)),
@@ -195,16 +200,23 @@ def table(result: dict) -> str:
     """The results page's table: one row per arm, over every pass."""
     rows = compare_records(result)
     arms = list(dict.fromkeys(r["arm"] for r in rows))
-    lines = ["| arm | compute dtype | passes | same bytes as threads-1 | modules differing "
-             "(first) | same bytes every pass |", "|---|---|---|---|---|---|"]
+    lines = ["| arm | compute dtype | passes | compared with | same bytes | modules differing "
+             "(first) | same bytes every pass |", "|---|---|---|---|---|---|---|"]
     for name in arms:
         mine = [r for r in rows if r["arm"] == name]
         same = sum(1 for r in mine if r.get("identical"))
         differing = sorted({(r["differing"], r["first_differing"]) for r in mine
                             if r.get("differing")}, key=lambda t: t[0])
         diff_text = "; ".join(f"{n} of {mine[0]['modules']} ({first})" for n, first in differing)
-        lines.append(f"| {name} | {mine[0]['compute_dtype']} | {len(mine)} | "
-                     f"{'yes' if same == len(mine) else f'no ({same} of {len(mine)})'} | "
+        ref = mine[0]["reference"]
+        if ref == name:
+            same_text = "(the reference)"
+        elif "identical" not in mine[0]:
+            same_text = f"{ref} did not run"
+        else:
+            same_text = "yes" if same == len(mine) else f"no ({same} of {len(mine)})"
+        lines.append(f"| {name} | {mine[0]['compute_dtype']} | {len(mine)} | {ref or '—'} | "
+                     f"{same_text} | "
                      f"{diff_text or '0'} | "
                      f"{again(mine)} |")
     return "\n".join(lines)

@@ -371,10 +371,9 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
     ``cpu-quant gptq`` run made here into the staging directory (removed once read).
 
     The run is the command itself, in its own process, with this process's thread count: its
-    codes are exactly those of ``cpu-quant gptq`` with the same settings. In this process they
-    could differ: after an earlier export has lowered a program here, the calibration forward
-    computes slightly different activations (measured on a tiny Llama: 10 of 15 linears' codes
-    differed)."""
+    codes are those of ``cpu-quant gptq`` with the same settings (at any thread count), and its
+    peak memory, the source's layers and their Hessians, does not add to this process's, which
+    holds the float model, and goes back to the system when it ends."""
     import shutil
     import subprocess
 
