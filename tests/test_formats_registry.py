@@ -63,3 +63,18 @@ def test_the_plugin_loads_the_modules_the_formats_name() -> None:
     assert method_modules() == [("cpu_int4", "cpu_quant.formats.cpu_int4.vllm_method")]
     assert patch_modules()[-1] == "cpu_quant.formats.gptq.vllm_kernel"
     assert all(m.startswith("cpu_quant.runtime_patches.") for m in patch_modules()[:-1])
+
+
+def test_each_format_names_the_command_that_writes_it_and_the_probe_prints_it():
+    """The format's own command, or ``gptq`` with ``--format`` for a non-default format; the
+    probe's CPU rows name registered formats and print their command."""
+    from cpu_quant.formats.base import get_format
+    from cpu_quant.probe import DECISION_TABLE
+
+    assert get_format("gptq").write_command() == "cpu-quant gptq SRC DST --group 128"
+    assert get_format("cpu_int4").write_command() == "cpu-quant tinygemm SRC DST --group 128"
+    assert get_format("gguf").write_command("SRC DST") == "cpu-quant gptq SRC DST --format gguf"
+    for rule in DECISION_TABLE:
+        assert (rule.format is None) != (rule.command is None), rule.name
+        if rule.format is not None:
+            assert rule.command_line() == get_format(rule.format).write_command()

@@ -13,7 +13,8 @@ built-in corpus, so that nine arms fit a session), run as:
                     without bf16
 ``isa-avx2``        oneDNN, ATen and oneMKL held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``,
                     ``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``): an AVX2
-                    CPU's kernels, with this CPU's compute dtype
+                    CPU's kernels; oneDNN then reports no native bf16, so the run computes in
+                    float32, as an AVX2-only CPU does
 ``fp32``            ``CPU_QUANT_COMPUTE_DTYPE=fp32``: the float32 forward an AVX2-only CPU
                     chooses, with this CPU's kernels
 ``fp32-isa-avx2``   that float32 forward on the AVX2 kernels: an AVX2-only CPU as it runs
@@ -25,8 +26,9 @@ away), so ``isa-*`` arms say nothing about AMX.
 Extras, per pass: ``tensors_sha256`` (one digest over every tensor by name, as the
 ``distributed`` suite's), the digest of each module's tensors (``module_sha256``: which modules
 differ, and from which layer on), and the report's compute dtype and threads. The page's table
-(:func:`table`) compares every arm with ``threads-1`` of the same pass, and every pass with
-the first (the same arm run again).
+(:func:`table`) compares every arm with the reference of its compute dtype in the same pass
+(``threads-1`` for bf16, ``fp32`` for float32), and every pass with the first (the same arm
+run again).
 
 Smoke mode (CI): the tiny smoke model, 4 x 64 tokens, the arms ``threads-1``, ``threads-2``
 and ``isa-avx2``.

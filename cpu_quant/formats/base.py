@@ -132,6 +132,14 @@ class Format:
         cls.name = name
         REGISTRY[name] = cls
 
+    def write_command(self, args: str = "SRC DST --group 128") -> str:
+        """The command line that writes this format (``args``: its positional arguments and
+        options): its own command, or ``gptq`` with ``--format`` unless it is the default."""
+        if self.command:
+            return f"cpu-quant {self.command} {args}"
+        fmt = "" if self.name == DEFAULT_FORMAT else f" --format {self.name}"
+        return f"cpu-quant gptq {args}{fmt}"
+
     def serving(self, target: Path) -> Serving:
         """How an artifact of this format at ``target`` is served (the model card and the
         command's closing note print it)."""
