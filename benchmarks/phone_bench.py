@@ -32,13 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from .suites.phone import ARM_SETTINGS, ARMS, BACKEND, SCHEME
+
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("fp32", "8da8w", "8da4w", "8da4w-nosmooth", "w8a16", "16a4w")
-BASELINE = "fp32"
-# an arm is a scheme, with export settings of its own where its name says so
-SCHEME = {arm: arm.split("-")[0] for arm in ARMS}
-ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False}}  # export-phone --no-smooth
-BACKEND = {arm: "qnn" if SCHEME[arm] in ("w8a16", "16a4w") else "xnnpack" for arm in ARMS}
 
 
 def measure(pte: Path, src: Path, max_seq_len: int, prefill_len: int, prompt_tokens: int,

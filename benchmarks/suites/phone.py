@@ -54,9 +54,16 @@ import sys
 import time
 from pathlib import Path
 
-from .. import phone_bench as pb
 from ..harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
 from .quantize import SuiteOptions, select
+
+# the arms: export-phone's schemes, and 8da4w without smoothing
+ARMS = ("fp32", "8da8w", "8da4w", "8da4w-nosmooth", "w8a16", "16a4w")
+BASELINE = "fp32"
+# an arm is a scheme, with export settings of its own where its name says so
+SCHEME = {arm: arm.split("-")[0] for arm in ARMS}
+ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False}}  # export-phone --no-smooth
+BACKEND = {arm: "qnn" if SCHEME[arm] in ("w8a16", "16a4w") else "xnnpack" for arm in ARMS}
 
 REPO = Path(__file__).resolve().parents[2]
 REAL = {"max_seq_len": 128, "prefill_len": 64, "prompt_tokens": 64, "gen_tokens": 32,
@@ -116,10 +123,10 @@ def check_export(export_dir: Path, arm: str, settings: dict) -> dict:
     """The export's report, after checking it is this arm's program at the suite's sizes."""
     report = json.loads((export_dir / "export_report.json").read_text())
     s = report["settings"]
-    own = pb.ARM_SETTINGS.get(arm, {})
+    own = ARM_SETTINGS.get(arm, {})
     got = (report["backend"], report["scheme"], s["max_seq_len"], s["prefill_len"],
            {k: s.get(k) for k in own})
-    want = (pb.BACKEND[arm], pb.SCHEME[arm], settings["max_seq_len"], settings["prefill_len"],
+    want = (BACKEND[arm], SCHEME[arm], settings["max_seq_len"], settings["prefill_len"],
             own)
     if got != want:
         raise ValueError(f"{export_dir}: export (backend, scheme, max_seq_len, prefill_len, "
@@ -177,9 +184,9 @@ def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
                 "verification": {k: report["verification"].get(k) for k in VERIFICATION_KEYS},
                 "weights": report.get("weights"), "stored_weights": report.get("stored_weights")}
 
-    return Arm(scheme, {"backend": pb.BACKEND[scheme], "scheme": pb.SCHEME[scheme],
-                        **pb.ARM_SETTINGS.get(scheme, {}),
-                        "group_size": {"8da4w": 32, "16a4w": -1}.get(pb.SCHEME[scheme]),
+    return Arm(scheme, {"backend": BACKEND[scheme], "scheme": SCHEME[scheme],
+                        **ARM_SETTINGS.get(scheme, {}),
+                        "group_size": {"8da4w": 32, "16a4w": -1}.get(SCHEME[scheme]),
                         "source": str(src),
                         "prebuilt": str(prebuilt) if prebuilt else None},
                command, collect, build=None if prebuilt else build_cmd,
@@ -201,11 +208,11 @@ def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
 
             src = demo_model_path()
     given = {k: Path(v).resolve() for k, v in (prebuilt or {}).items()}
-    unknown = sorted(set(given) - set(pb.ARMS))
+    unknown = sorted(set(given) - set(ARMS))
     if unknown:
         raise ValueError(f"--artifact names unknown arm(s): {', '.join(unknown)}; "
-                         f"known: {', '.join(pb.ARMS)}")
-    chosen = select([scheme_arm(s, src, settings, timeouts, given.get(s)) for s in pb.ARMS],
+                         f"known: {', '.join(ARMS)}")
+    chosen = select([scheme_arm(s, src, settings, timeouts, given.get(s)) for s in ARMS],
                     arms)
     for arm in chosen:
         if arm.name in given:  # before spending any pass on it
@@ -222,7 +229,7 @@ def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
         arms=chosen,
         settings={"source": str(src), **settings,
                   "runtime": "ExecuTorch Python runtime (pybindings), greedy, batch 1"},
-        baseline=pb.BASELINE if any(a.name == pb.BASELINE for a in chosen) else None,
+        baseline=BASELINE if any(a.name == BASELINE for a in chosen) else None,
         inputs={"source_model": src},
         notes=["export time is a one-off build measurement per arm (result['builds'][arm]: "
                "process wall time and peak RssAnon; extras.export_timings_s: the export's own "
