@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 from . import provenance
+from .harness import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -65,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance.validate(prov)
     doc = {"suite": "bit-identity", "label": args.label, "notes": args.note, **result,
            "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bit-identity-{args.label}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = write_result(args.out, f"bit-identity-{args.label}", doc)
     print(f"{args.label}: {result['tensors_a']} vs {result['tensors_b']} tensors, "
           f"{len(result['differing'])} differ, identical={result['identical']}; wrote {path}")
     return 0 if result["identical"] else 1

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 from . import provenance
+from .harness import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KEYS = ("kl_mean", "kl_stderr", "ppl_delta", "ppl_delta_stderr", "top1_agreement",
@@ -58,11 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     provenance.validate(prov)
     doc = {"suite": "eval-set", "label": args.label, "notes": args.note, "rows": rows,
            "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"eval-set-{args.label}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = write_result(args.out, f"eval-set-{args.label}", doc)
     for r in rows:
         print(f"{r['arm']}: KL {r['kl_mean']:.4f} ± {r['kl_stderr']:.4f} on {r['text']}")
     print(f"wrote {path}")

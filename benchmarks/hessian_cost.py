@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from . import provenance
+from .harness import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WIDTHS = (576, 1536, 2048, 8192)
@@ -115,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                "threads": torch.get_num_threads()})
     provenance.validate(prov)
     doc = {"suite": "hessian-cost", "notes": args.note, "rows": rows, "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"hessian-cost-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = write_result(args.out, "hessian-cost", doc)
     print(f"wrote {path}")
     return 0
 

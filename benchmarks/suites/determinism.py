@@ -42,6 +42,7 @@ from pathlib import Path
 
 from ..bit_identity import tensor_digests
 from ..harness import WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from .distributed import check_ranks
 from .quantize import (
     SMOKE,
     TIMEOUT_REAL,
@@ -101,14 +102,7 @@ def arm(name: str, src: Path, settings: dict, timeout: float) -> Arm:
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
         report = check_cpu_quant_report(ctx.workdir / "artifact", settings, flags)
-        dist = report.get("distributed")
-        world = dist["world_size"] if dist else 1
-        if world != procs:
-            raise ValueError(f"the run had {world} ranks, not {procs}")
-        ran = ([r["threads"] for r in dist["ranks"]] if dist
-               else [report["provenance"].get("threads")])
-        if ran != [threads] * procs:
-            raise ValueError(f"the ranks ran {ran} torch threads, not {threads} each")
+        check_ranks(report, procs, threads)
         want = "float32" if env.get("CPU_QUANT_COMPUTE_DTYPE") == "fp32" else None
         got = report["provenance"].get("compute_dtype")
         if want and got != want:
@@ -146,7 +140,8 @@ def build(opts: SuiteOptions) -> Suite:
         settings={"source": str(src), **settings, "head": "quantized (default)"},
         baseline=BASELINE if any(a.name == BASELINE for a in arms) else None,
         inputs={"source_model": src},
-        notes=["Compare each arm's tensors_sha256 with threads-1's of the same pass; "
+        notes=["Compare each arm's tensors_sha256 with its compute dtype's reference arm's "
+               "(threads-1 for bf16, fp32 for float32) of the same pass; "
                "module_sha256 names the modules that differ.",
                "An ISA limit only takes instructions away: AMX cannot be emulated here."],
     )

@@ -75,6 +75,18 @@ def layer_traffic(dist: dict) -> dict:
     return {"world_size": dist["world_size"], "ranks": out}
 
 
+def check_ranks(report: dict, processes: int, threads: int) -> None:
+    """The run had ``processes`` ranks of ``threads`` torch threads each (rule 4: the knobs
+    reached the run), from its ``quantization_report.json``."""
+    dist = report.get("distributed")
+    world = dist["world_size"] if dist else 1
+    if world != processes:
+        raise ValueError(f"the run had {world} ranks, not {processes}")
+    ran = [r["threads"] for r in dist["ranks"]] if dist else [report["provenance"].get("threads")]
+    if ran != [threads] * processes:
+        raise ValueError(f"the ranks ran {ran} torch threads, not {threads} each")
+
+
 def rank_arm(name: str, nproc: int, src: Path, settings: dict, timeout: float) -> Arm:
     flags = ["--threads", "1"] + (["--nproc", str(nproc)] if nproc > 1 else [])
 
@@ -83,15 +95,7 @@ def rank_arm(name: str, nproc: int, src: Path, settings: dict, timeout: float) -
                        timeout=timeout)
 
     def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
-        report = check_cpu_quant_report(ctx.workdir / "artifact", settings, flags)
-        dist = report.get("distributed")
-        world = dist["world_size"] if dist else 1
-        if world != nproc:
-            raise ValueError(f"the run had {world} ranks, not {nproc}")
-        threads = ([r["threads"] for r in dist["ranks"]] if dist
-                   else [report["provenance"].get("threads")])
-        if threads != [1] * nproc:
-            raise ValueError(f"the ranks ran {threads} torch threads, not 1 each")
+        check_ranks(check_cpu_quant_report(ctx.workdir / "artifact", settings, flags), nproc, 1)
         return {}
 
     def extras(ctx: PassContext, run: RunRecord) -> dict:

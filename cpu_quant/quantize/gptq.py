@@ -6,12 +6,12 @@ accumulated in float32 over the calibration tokens. Outputs are a :class:`GroupQ
 * dampening: ``damp · mean(diag H)`` is added to the diagonal (default 1%); when the Cholesky
   factorisation fails the factor is raised (×3 each time, up to 100×) and the used value is
   reported. A Hessian of few calibration tokens (fewer than its columns: a rarely routed
-  expert, a wide down projection) is singular, and float32's rounding, with the rounding of
-  its bf16 products (``hessians.gram``), can then defeat every float32 step: the same and
-  larger steps follow in float64 (``DAMP_STEPS_FLOAT64``), and when even those fail
-  :class:`HessianNotPositiveDefinite` tells the caller to fall back to round-to-nearest
-  with the weighted scale search (``schedule.quantize_linears`` does, and reports it). A
-  Hessian that factors in float32 is used exactly as before;
+  expert, a wide down projection) is singular, and float32's rounding can then defeat every
+  float32 step: the same and larger steps follow in float64 (``DAMP_STEPS_FLOAT64``), and
+  when even those fail :class:`HessianNotPositiveDefinite` tells the caller to fall back to
+  round-to-nearest with the weighted scale search (``schedule.quantize_linears`` does, and
+  reports it). A Hessian that factors in float32 is used as it is;
+* the factorisation (``factor.py``) has the same bits at any thread count;
 * dead input channels (a zero diagonal: the channel never fired) get ``H[i, i] = 1`` and
   their weight columns are zeroed, as in the reference GPTQ implementation;
 * the column sweep is blocked with lazy batch updates; the block is a multiple of the group
