@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from cpu_quant.models.tiny import TinyShape, make_tiny_model
 from cpu_quant.quantize.factor import BLOCK, cholesky_lower, invert_lower
 
 from .conftest import run_cli
@@ -109,13 +110,19 @@ def _tensors(directory) -> dict[str, str]:
     return tensor_digests(directory)
 
 
-def test_gptq_writes_the_same_artifact_at_one_and_two_threads(tiny_llama, tmp_path) -> None:
-    """The whole command on a tiny random Llama (defaults: smoothing, head, act-order), at
+# wide enough that LAPACK's threaded Cholesky of its Hessians (320 and 640 columns) gives other
+# bits at two threads than at one: what the blocked factor must not do
+WIDE = TinyShape(hidden=320, intermediate=640, layers=2, heads=4, kv_heads=2)
+
+
+def test_gptq_writes_the_same_artifact_at_one_and_two_threads(demo_src, tmp_path) -> None:
+    """The whole command on a small random Llama (defaults: smoothing, head, act-order), at
     ``--threads 1`` and ``--threads 2``: the same tensors, bit for bit."""
+    src = make_tiny_model("llama", tmp_path / "src", demo_src, shape=WIDE)
     outs = []
     for threads in (1, 2):
         dst = tmp_path / f"t{threads}"
-        run_cli("gptq", str(tiny_llama), str(dst), "--samples", "8", "--seqlen", "64",
+        run_cli("gptq", str(src), str(dst), "--samples", "8", "--seqlen", "64",
                 "--batch-size", "4", "--no-eval", "--threads", str(threads), "-q")
         outs.append(_tensors(dst))
     assert outs[0] and outs[0] == outs[1]

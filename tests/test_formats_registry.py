@@ -78,3 +78,23 @@ def test_each_format_names_the_command_that_writes_it_and_the_probe_prints_it():
         assert (rule.format is None) != (rule.command is None), rule.name
         if rule.format is not None:
             assert rule.command_line() == get_format(rule.format).write_command()
+
+
+def test_one_answer_to_whether_a_group_can_be_stored():
+    """``Limits.group_problem``: a listed group is stored; -1 only by a format that stores rows
+    as such, or where the in-features are one of its groups; verify's config check leaves -1
+    to the modules (their in-features are known there)."""
+    from cpu_quant.formats.base import get_format
+    from cpu_quant.quantize.plan import check_group
+    from cpu_quant.verify.checks import _group_problem
+
+    tiny = get_format("cpu_int4").limits  # the tinygemm kernel: no row groups
+    assert tiny.group_problem(128) is None and tiny.group_problem(-1, k=128) is None
+    assert "one group per row is not stored" in tiny.group_problem(-1)
+    assert "one group of 576" in tiny.group_problem(-1, k=576)
+    assert "(accepted: " in tiny.group_problem(48)
+    with pytest.raises(CpuQuantError, match="--group -1 is not stored by"):
+        check_group("--group", -1, tiny)
+    assert get_format("gptq").limits.group_problem(-1) is None  # GPTQ stores a row as a group
+    spec = get_format("cpu_int4")
+    assert _group_problem(spec, -1) is None and _group_problem(spec, -1, 576) is not None

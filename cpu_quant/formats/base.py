@@ -76,14 +76,18 @@ class Limits:
 
     def group_problem(self, group: int, k: int | None = None,
                       groups: tuple[int, ...] | None = None) -> str | None:
-        """Why ``group`` cannot be stored for in-features ``k`` (``groups``: the sizes to
+        """Why ``group`` cannot be stored for in-features ``k`` (None: for any in-features;
+        ``groups``: the sizes to
         accept instead of :attr:`groups`, as ``verify`` reads a format); None if it can. The
         one answer to "can this group be stored?": the plan refuses a flag with it, ``verify``
         an artifact's config and its modules."""
         groups = groups or self.groups
         if group == -1:
-            if self.row_group or k is None or k in groups:
+            if self.row_group or (k is not None and k in groups):
                 return None
+            if k is None:  # for every in-features: only a format that stores rows as such
+                return f"one group per row is not stored ({self.kernel} takes groups of " \
+                       f"{self.accepted_groups(groups)})"
             return f"group -1 means one group of {k}, and {self.kernel} takes only groups of " \
                    f"{self.accepted_groups(groups)}"
         if group not in groups:

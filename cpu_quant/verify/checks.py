@@ -253,7 +253,10 @@ class Context:
 # -- the checks ------------------------------------------------------------------------------------
 def _group_problem(spec: SafetensorsFormat, group: int, k: int | None = None) -> str | None:
     """Why ``group`` is not one ``spec``'s kernel takes (``Limits.group_problem``, with the
-    groups verify accepts), or None."""
+    groups verify accepts), or None. Without ``k`` (the config, before the modules) ``-1`` is
+    not judged: each module is, with its in-features."""
+    if group == -1 and k is None:
+        return None
     return spec.limits.group_problem(group, k, _groups(spec))
 
 
