@@ -42,16 +42,12 @@ from pathlib import Path
 
 from ..bit_identity import tensor_digests
 from ..harness import WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
-from .distributed import check_ranks
+from .distributed import check_ranks, gptq_inputs
 from .quantize import (
-    SMOKE,
-    TIMEOUT_REAL,
-    TIMEOUT_SMOKE,
     SuiteOptions,
     check_cpu_quant_report,
     cpu_quant_gptq_argv,
     select,
-    source_model,
 )
 
 REAL = {"samples": 32, "seqlen": 512, "group": 128, "batch_size": 8, "calib": "austen"}
@@ -123,11 +119,7 @@ def arm(name: str, src: Path, settings: dict, timeout: float) -> Arm:
 
 
 def build(opts: SuiteOptions) -> Suite:
-    settings = dict(SMOKE if opts.smoke else REAL)
-    if opts.smoke:
-        settings["batch_size"] = 2  # 2 batches: one per rank
-    timeout = TIMEOUT_SMOKE if opts.smoke else TIMEOUT_REAL
-    src = source_model(opts)
+    settings, timeout, src = gptq_inputs(opts, REAL)
     names = [n for n in ARMS if not opts.smoke or n in SMOKE_ARMS or opts.arms]
     arms = select([arm(n, src, settings, timeout) for n in names], opts.arms)
     return Suite(

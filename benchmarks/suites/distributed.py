@@ -117,12 +117,17 @@ def rank_arm(name: str, nproc: int, src: Path, settings: dict, timeout: float) -
                extras=extras)
 
 
-def build(opts: SuiteOptions) -> Suite:
-    settings = dict(SMOKE if opts.smoke else REAL)
+def gptq_inputs(opts: SuiteOptions, real: dict) -> tuple[dict, float, Path]:
+    """The settings (``real``, or the smoke settings in batches of 2: one batch per rank),
+    the timeout and the source of a suite that runs ``cpu-quant gptq`` as one or more ranks."""
+    settings = dict(SMOKE if opts.smoke else real)
     if opts.smoke:
         settings["batch_size"] = 2  # 2 batches: one per rank
-    timeout = TIMEOUT_SMOKE if opts.smoke else TIMEOUT_REAL
-    src = source_model(opts)
+    return settings, TIMEOUT_SMOKE if opts.smoke else TIMEOUT_REAL, source_model(opts)
+
+
+def build(opts: SuiteOptions) -> Suite:
+    settings, timeout, src = gptq_inputs(opts, REAL)
     arms = select([rank_arm(name, n, src, settings, timeout) for name, n in ARMS.items()],
                   opts.arms)
     return Suite(
