@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = (ROOT / "docs" / "results.md",)
 # suite -> the module that renders its table
-RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism"}
+RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism",
+            "eval": "benchmarks.suites.eval", "distributed": "benchmarks.suites.distributed",
+            "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)
 
@@ -63,6 +66,62 @@ def isa(cpu: dict) -> str:
     if "avx512f" in flags:
         return "AVX-512" + (" with bf16" if "avx512_bf16" in flags else ", no bf16") + ", no AMX"
     return "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+
+
+LABELS = {"wall_seconds": "wall", "cpu_seconds": "CPU time", "peak_rss_anon_bytes": "peak RssAnon"}
+
+
+def _spread(s: dict, unit: str) -> str:
+    """A metric's median [min–max] with its unit (bytes in MiB)."""
+    if unit == "B":
+        return f"{s['median'] / 2**20:.0f} [{s['min'] / 2**20:.0f}–{s['max'] / 2**20:.0f}] MiB"
+    return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}] {unit}".rstrip()
+
+
+def harness_table(doc: dict, extra: dict | None = None) -> str:
+    """A harness suite's table: one row per arm, each metric's median with its range over the
+    passes, and each arm's ratio to the baseline (median [range] of the per-pass ratios, with
+    the harness's verdict). ``extra``: column title -> function(arm's records) -> cell."""
+    metrics = doc["metrics"]
+    extra = extra or {}
+    head = ["arm", "passes", *(LABELS.get(m["name"], m["name"]) for m in metrics), *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, summary in doc["summary"].items():
+        records = [r for r in doc["records"] if r["arm"] == arm and r.get("ok")]
+        cells = [f"`{arm}`", str(len(records))]
+        for m in metrics:
+            s = summary.get(m["name"])
+            if not s or not s.get("n"):
+                cells.append("—")
+                continue
+            cell = _spread(s, m["unit"])
+            cmp = doc.get("comparisons", {}).get(arm, {}).get(m["name"])
+            if cmp and cmp.get("ratio_passes"):
+                verdict = cmp["verdict"].replace(" (lower is better)", "").replace(
+                    " (higher is better)", "")
+                cell += (f"; ×{cmp['ratio_median']:.3f} [{cmp['ratio_min']:.3f}–"
+                         f"{cmp['ratio_max']:.3f}] of `{doc['baseline']}` ({verdict})")
+            cells.append(cell)
+        cells += [fn(records) for fn in extra.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def harness_block(results: Path, docs: Path, suite: str, command: str,
+                  extra: dict | None = None) -> str:
+    """The block of a harness suite: its table from the newest result file, the machine, the
+    command and the file (links relative to the page in ``docs``)."""
+    path = newest(results, f"{suite}-2*.json")
+    if path is None:
+        return "Not measured yet: no result file of this suite is committed."
+    doc = json.loads(path.read_text())
+    meta = machine(doc)
+    partial = f" ({meta['partial']})" if meta["partial"] else ""
+    return "\n".join([
+        harness_table(doc, extra), "",
+        f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git {meta['sha'][:7]}"
+        f"{partial}. Command: `{command}`. Result file: "
+        f"[{path.name}]({os.path.relpath(path, docs)})."])
 
 
 def render_block(suite: str, results: Path, page_dir: Path) -> str:

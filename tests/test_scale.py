@@ -4,7 +4,7 @@ by the real vLLM with the kernel this CPU's row of the kernel table names.
 
 Random weights make fidelity meaningless; what is checked is that every stage works at this
 size and that vLLM computes the artifact's own weights. The calibration is smaller than the
-default's (8 x 512 tokens, fewer than the down projections' 8,192 input columns, so their
+default's (4 x 512 tokens, fewer than the down projections' 8,192 input columns, so their
 Hessians are rank-deficient, as a short calibration's are); every other setting is the default
 (group 128, the head in groups of 32, the down projections in groups of 64, smoothing, scale
 search, static-group act-order).
@@ -35,7 +35,7 @@ from .test_gptq_end_to_end import NEW_TOKENS, _assert_greedy_matches_dequantized
 pytestmark = pytest.mark.e2e  # writes a 2.5 GB checkpoint and quantizes it
 
 MODEL = "Llama-3.2-1B"
-CALIB = ["--samples", "8", "--seqlen", "512"]
+CALIB = ["--samples", "4", "--seqlen", "512"]
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 5215, 2006, 3090, 30, 28, 2438, 3781, 28]]
 
 

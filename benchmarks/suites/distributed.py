@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..bit_identity import tensor_digests
 from ..harness import CPU_SECONDS, PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from ..render import harness_block
 from .quantize import (
     REAL,
     SMOKE,
@@ -145,3 +146,15 @@ def build(opts: SuiteOptions) -> Suite:
                "collective seconds include the time a rank waits for the other inside a "
                "collective (imbalance), not only transfer time."],
     )
+
+
+def _digests(records: list[dict]) -> str:
+    digests = sorted({r["extras"].get("tensors_sha256", "")[:8] for r in records})
+    return ", ".join(f"`{d}…`" for d in digests) or "—"
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table, with each arm's artifact
+    digests (one digest per arm, the same in both arms: the same artifact)."""
+    return harness_block(results, docs, "distributed", "python -m benchmarks run distributed",
+                         {"tensor digest": _digests})

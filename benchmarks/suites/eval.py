@@ -19,6 +19,7 @@ from pathlib import Path
 from cpu_quant.eval.settings import EvalSettings
 
 from ..harness import CPU_SECONDS, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from ..render import harness_block
 from .quantize import CLI, TIMEOUT_REAL, TIMEOUT_SMOKE, SuiteOptions, source_model
 
 BUILD = ["--samples", "8", "--seqlen", "256", "--no-eval"]
@@ -57,3 +58,8 @@ def build(opts: SuiteOptions) -> Suite:
                  "(the bf16 reference run afresh each pass)", metrics=[WALL_SECONDS, CPU_SECONDS],
                  arms=[arm], settings={"source": str(src), "eval": vars(expected)},
                  baseline="eval-default")
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table."""
+    return harness_block(results, docs, "eval", "python -m benchmarks run eval")

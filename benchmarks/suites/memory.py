@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 
 from ..harness import CPU_SECONDS, PEAK_RSS_ANON, WALL_SECONDS, Arm, Command, PassContext, RunRecord, Suite
+from ..render import harness_block
 from .quantize import SuiteOptions, select
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
@@ -176,3 +177,8 @@ def build(opts: SuiteOptions) -> Suite:
         notes=["Random weights with the demo model's shapes: memory and time do not depend on "
                "trained weights. Calibration: the built-in corpus."],
     )
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table."""
+    return harness_block(results, docs, "memory", "python -m benchmarks run memory")

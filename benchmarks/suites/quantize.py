@@ -59,6 +59,7 @@ from ..harness import (
     Suite,
 )
 from ..peers import gptqmodel_env
+from ..render import harness_block
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
 REAL = {"samples": 128, "seqlen": 512, "group": 128, "batch_size": 8, "calib": "austen"}
@@ -451,3 +452,9 @@ def build(opts: SuiteOptions) -> Suite:
             "scale search on).",
         ],
     )
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table."""
+    return harness_block(results, docs, "quantize",
+                         "python -m benchmarks run quantize --arms cpu-quant-gptq,gptqmodel")
