@@ -15,7 +15,9 @@ tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against ll
 ``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
 ``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
 architecture) and ``determinism`` (the bits of ``cpu-quant gptq``'s artifact across thread
-counts, ranks, ISA limits and the compute dtype) and ``scale`` (random models of 1B-8B shapes).
+counts, ranks, ISA limits and the compute dtype) and ``scale`` (random models of 1B-8B shapes)
+and ``hessian_cost`` (GPTQ's exact Hessian product and blocked factor against the earlier
+arithmetic) and ``core_scaling`` (two pinned single-thread processes against one).
 ``render`` rewrites the results pages' tables that suites render from their newest result
 files (``benchmarks/render.py``).
 

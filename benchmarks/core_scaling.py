@@ -1,42 +1,32 @@
-"""How much two processes gain over one on this host: the bound on a two-rank speed-up.
+"""The pass worker of the ``core_scaling`` suite (``benchmarks/suites/core_scaling.py``): one
+arm's rate of one workload, in one process pinned to CPU 0 (``solo``) or two started together,
+pinned to CPUs 0 and 1 (``pair``), each with one torch thread.
 
-    python -m benchmarks.core_scaling [--passes 3] [--seconds 8] [--smoke] [--out DIR]
+    python -m benchmarks.core_scaling --arm solo|pair --workload forward|gram [--seconds S] --json OUT
 
-A two-rank GPTQ run (``cpu-quant gptq --nproc 2``, one torch thread per rank) can be at best as
-fast as this machine lets two single-threaded processes compute side by side. Two vCPUs of a
-virtual machine may be two hyperthreads of one core, or share memory bandwidth, so two
-processes can each run slower than one alone. This benchmark measures that directly, on the
-two kinds of work that dominate a calibration layer, at the demo model's shapes:
+Workloads, at the demo model's shapes (what dominates a calibration layer):
 
 ``forward``  bf16 GEMM of a calibration batch through an MLP projection,
              [4096 x 576] @ [576 x 1536] (the layer-streaming forward passes)
 ``gram``     XᵀX of a bf16 batch [4096 x 1536] through ``cpu_quant.quantize.hessians.gram``
              (the Hessian products)
 
-Arms, interleaved with the order rotated every pass (>= 3 passes unless ``--smoke``): ``solo``,
-one process with one thread pinned to CPU 0; ``pair``, two such processes started together,
-pinned to CPUs 0 and 1. Each process repeats the operation for ``--seconds`` and reports its
-rate (operations per second). Per pass and workload the result gives the pair's total rate
-over the solo rate (2.0 = two full cores) and its inverse, the smallest wall-time ratio two
-ranks can reach on perfectly split work of that kind: ``bound = 1 / (pair total / solo)``.
-
-Result: ``benchmarks/results/core-scaling[-smoke]-<UTC time>.json``, with provenance.
+Each process repeats the operation for ``S`` seconds after one warm-up call. Output:
+``{"rate": the processes' total operations per second, "rates": [each process's]}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import provenance
-from .harness import MIN_PASSES, rotated_order, spread, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("forward", "gram")
 ARMS = ("solo", "pair")
 
@@ -95,67 +85,27 @@ def run_arm(arm: str, workload: str, seconds: float) -> list[float]:
     return rates
 
 
-def summarize(passes: list[dict]) -> dict:
-    out = {}
-    for workload in WORKLOADS:
-        scaling = [p[workload]["pair_total_over_solo"] for p in passes]
-        bound = [p[workload]["best_two_rank_wall_ratio"] for p in passes]
-        out[workload] = {"pair_total_over_solo": {"values": scaling,
-                                                  "median": statistics.median(scaling),
-                                                  "spread": spread(scaling)},
-                         "best_two_rank_wall_ratio": {"values": bound,
-                                                      "median": statistics.median(bound),
-                                                      "min": min(bound), "max": max(bound)}}
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.core_scaling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--passes", type=int, default=MIN_PASSES)
-    ap.add_argument("--seconds", type=float, default=8.0, help="seconds per process and arm")
-    ap.add_argument("--smoke", action="store_true", help="one short pass (checks the machinery)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--workload", choices=WORKLOADS)
+    ap.add_argument("--seconds", type=float, default=8.0, help="seconds per process")
+    ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(run_workload(args.worker, args.seconds))
         return 0
-    if not args.smoke and args.passes < MIN_PASSES:
-        print(f"error: a measurement needs at least {MIN_PASSES} passes", file=sys.stderr)
-        return 2
-    if (os.cpu_count() or 1) < 2:
+    if not (args.arm and args.workload and args.json):
+        ap.error("--arm, --workload and --json are required")
+    if args.arm == "pair" and (os.cpu_count() or 1) < 2:
         print("error: this host has one CPU: there is no pair to measure", file=sys.stderr)
         return 2
-    passes_n = 1 if args.smoke else args.passes
-    seconds = min(args.seconds, 1.0) if args.smoke else args.seconds
-    passes = []
-    for p in range(passes_n):
-        record: dict = {"pass": p}
-        for workload in WORKLOADS:
-            rates = {}
-            for arm in rotated_order(ARMS, p):
-                rates[arm] = run_arm(arm, workload, seconds)
-                print(f"core_scaling: pass {p} {workload} {arm}: "
-                      f"{', '.join(f'{r:.2f}' for r in rates[arm])} op/s", file=sys.stderr)
-            total = sum(rates["pair"]) / rates["solo"][0]
-            record[workload] = {"order": rotated_order(ARMS, p), "solo_rate": rates["solo"][0],
-                                "pair_rates": rates["pair"], "pair_total_over_solo": total,
-                                "best_two_rank_wall_ratio": 1.0 / total}
-        passes.append(record)
-    settings = {"passes": passes_n, "seconds": seconds, "smoke": args.smoke,
-                "workloads": {"forward": "bf16 [4096x576] @ [576x1536]",
-                              "gram": "gram() of bf16 [4096x1536]"},
-                "threads_per_process": 1, "pinning": "taskset CPU 0 (solo); CPUs 0 and 1 (pair)"}
-    prov = provenance.collect(settings)
-    provenance.validate(prov)
-    doc = {"suite": "core-scaling", "smoke": args.smoke, "passes": passes,
-           "summary": summarize(passes), "provenance": prov}
-    path = write_result(args.out, f"core-scaling{'-smoke' if args.smoke else ''}", doc)
-    for workload, s in doc["summary"].items():
-        print(f"{workload}: pair/solo {s['pair_total_over_solo']['median']:.2f} "
-              f"(best two-rank wall ratio {s['best_two_rank_wall_ratio']['median']:.3f})")
-    print(f"core_scaling: wrote {path}", file=sys.stderr)
+    rates = run_arm(args.arm, args.workload, args.seconds)
+    doc = {"rate": sum(rates), "rates": rates, "seconds": args.seconds}
+    args.json.write_text(json.dumps(doc))
+    print(json.dumps(doc))
     return 0
 
 

@@ -1,21 +1,13 @@
-"""What the thread-count-independent arithmetic of GPTQ's Hessians costs, and saves.
+"""The pass worker of the ``hessian_cost`` suite (``benchmarks/suites/hessian_cost.py``): times
+one operation at one width in this process and writes its JSON.
 
-    python -m benchmarks.hessian_cost [--threads N] [--reps R] [--out DIR]
+    python -m benchmarks.hessian_cost --op OP --k K [--reps R] --json OUT
 
-At the Hessian widths of the demo model (576, 1536) and of Llama-3.2-1B (2048, 8192), on one
-calibration batch (8 x 512 = 4096 rows of bf16 activations with heavy-tailed channels), each
-of these is timed, interleaved (A B A B ..., best of ``--reps``):
-
-``bf16-slabs``     the product earlier versions used: bf16 GEMMs (oneDNN), 2048 rows at a
-                   time, each rounded to bf16 and summed in float32 (its bits depend on the
-                   GEMM kernel)
-``gram``           ``hessians.gram``: exact fixed-point sums in float64, one rounding
-``lapack``         ``torch.linalg.cholesky_ex`` and ``solve_triangular`` against the identity
-                   (LAPACK, threaded: its bits depend on the thread count)
-``blocked``        ``factor.cholesky_lower`` and ``factor.invert_lower``
-
-and each product's largest error against the float64 product, relative to its largest entry.
-Result file: ``<out>/hessian-cost-<UTC time>.json`` (atomic), with the benchmark provenance.
+``OP`` is one of :data:`OPS` (what each computes: the suite's docstring). The input is one
+calibration batch of :data:`ROWS` rows of bf16 activations with heavy-tailed channels (seeded);
+the factorizations take the damped Hessian ``2 gram(X) / rows + 1% of its mean diagonal``.
+Output: ``{"seconds": best of R calls, "k", "rows", "threads"}`` and, for the two products,
+``max_error_relative``: the largest error against the float64 product over its largest entry.
 """
 
 from __future__ import annotations
@@ -26,12 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import provenance
-from .harness import write_result
-
-RESULTS = Path(__file__).resolve().parent / "results"
 WIDTHS = (576, 1536, 2048, 8192)
 ROWS = 4096
+OPS = ("bf16-slabs", "gram", "lapack", "blocked")
 
 
 def bf16_slabs(x):
@@ -65,58 +54,44 @@ def blocked(h):
     return invert_lower(cholesky_lower(h))
 
 
-def measure(reps: int) -> list[dict]:
+def measure(op: str, k: int, reps: int) -> dict:
     import torch
 
     from cpu_quant.quantize.hessians import gram
 
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for k in WIDTHS:
-        x = (torch.randn(ROWS, k, generator=gen) * torch.rand(k, generator=gen).pow(3).mul(20)
-             .add(0.1)).to(torch.bfloat16)
-        exact = x.double().t() @ x.double()
-        h = (2 * gram(x) / ROWS)
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(ROWS, k, generator=gen) * torch.rand(k, generator=gen).pow(3).mul(20)
+         .add(0.1)).to(torch.bfloat16)
+    products = {"bf16-slabs": bf16_slabs, "gram": gram}
+    if op in products:
+        fn, arg = products[op], x
+    else:
+        h = 2 * gram(x) / ROWS
         h.diagonal().add_(0.01 * h.diagonal().mean())
-        arms = {"bf16-slabs": (bf16_slabs, x), "gram": (gram, x), "lapack": (lapack, h),
-                "blocked": (blocked, h)}
-        best = {name: float("inf") for name in arms}
-        for r in range(reps):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
-            for name in order:
-                fn, arg = arms[name]
-                t0 = time.perf_counter()
-                fn(arg)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        errors = {name: float((fn(x).double() - exact).abs().max() / exact.abs().max())
-                  for name, fn in (("bf16-slabs", bf16_slabs), ("gram", gram))}
-        rows.append({"k": k, "rows": ROWS, "seconds": {n: round(v, 4) for n, v in best.items()},
-                     "gram_over_bf16_slabs": round(best["gram"] / best["bf16-slabs"], 3),
-                     "blocked_over_lapack": round(best["blocked"] / best["lapack"], 3),
-                     "max_error_relative": errors})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        fn, arg = {"lapack": lapack, "blocked": blocked}[op], h
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(arg)
+        best = min(best, time.perf_counter() - t0)
+    doc = {"seconds": best, "k": k, "rows": ROWS, "threads": torch.get_num_threads()}
+    if op in products:
+        exact = x.double().t() @ x.double()
+        doc["max_error_relative"] = float((out.double() - exact).abs().max() / exact.abs().max())
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.hessian_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--op", choices=OPS, required=True)
+    ap.add_argument("--k", type=int, required=True)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rows = measure(args.reps)
-    prov = provenance.collect({"widths": list(WIDTHS), "rows": ROWS, "reps": args.reps,
-                               "threads": torch.get_num_threads()})
-    provenance.validate(prov)
-    doc = {"suite": "hessian-cost", "notes": args.note, "rows": rows, "provenance": prov}
-    path = write_result(args.out, "hessian-cost", doc)
-    print(f"wrote {path}")
+    doc = measure(args.op, args.k, args.reps)
+    args.json.write_text(json.dumps(doc))
+    print(json.dumps(doc))
     return 0
 
 

@@ -25,7 +25,10 @@ PAGES = (ROOT / "docs" / "results.md",)
 # suite -> the module that renders its table
 RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism",
             "eval": "benchmarks.suites.eval", "distributed": "benchmarks.suites.distributed",
-            "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory"}
+            "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory",
+            "runtime": "benchmarks.suites.runtime", "phone": "benchmarks.suites.phone",
+            "hessian_cost": "benchmarks.suites.hessian_cost",
+            "core_scaling": "benchmarks.suites.core_scaling"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)
 
@@ -68,7 +71,10 @@ def isa(cpu: dict) -> str:
     return "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
 
 
-LABELS = {"wall_seconds": "wall", "cpu_seconds": "CPU time", "peak_rss_anon_bytes": "peak RssAnon"}
+LABELS = {"wall_seconds": "wall", "cpu_seconds": "CPU time", "peak_rss_anon_bytes": "peak RssAnon",
+          "decode_tok_s": "decode", "prefill_tok_s": "prefill",
+          "rss_anon_bytes": "RssAnon after start-up", "start_seconds": "engine start",
+          "pte_bytes": "`.pte` size"}
 
 
 def _spread(s: dict, unit: str) -> str:
@@ -81,7 +87,7 @@ def _spread(s: dict, unit: str) -> str:
 def harness_table(doc: dict, extra: dict | None = None) -> str:
     """A harness suite's table: one row per arm, each metric's median with its range over the
     passes, and each arm's ratio to the baseline (median [range] of the per-pass ratios, with
-    the harness's verdict). ``extra``: column title -> function(arm's records) -> cell."""
+    the harness's verdict). ``extra``: column title -> function(arm, doc) -> cell."""
     metrics = doc["metrics"]
     extra = extra or {}
     head = ["arm", "passes", *(LABELS.get(m["name"], m["name"]) for m in metrics), *extra]
@@ -100,28 +106,47 @@ def harness_table(doc: dict, extra: dict | None = None) -> str:
                 verdict = cmp["verdict"].replace(" (lower is better)", "").replace(
                     " (higher is better)", "")
                 cell += (f"; ×{cmp['ratio_median']:.3f} [{cmp['ratio_min']:.3f}–"
-                         f"{cmp['ratio_max']:.3f}] of `{doc['baseline']}` ({verdict})")
+                         f"{cmp['ratio_max']:.3f}] of "
+                         f"`{(doc.get('baseline_of') or {}).get(arm, doc['baseline'])}` ({verdict})")
             cells.append(cell)
-        cells += [fn(records) for fn in extra.values()]
+        cells += [fn(arm, doc) for fn in extra.values()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def harness_block(results: Path, docs: Path, suite: str, command: str,
-                  extra: dict | None = None) -> str:
+                  extra: dict | None = None, per_cpu: bool = False) -> str:
     """The block of a harness suite: its table from the newest result file, the machine, the
-    command and the file (links relative to the page in ``docs``)."""
-    path = newest(results, f"{suite}-2*.json")
-    if path is None:
+    command and the file (links relative to the page in ``docs``). ``per_cpu``: one table per
+    CPU class (:func:`isa`) that a result file was measured on, the newest file of each."""
+    files = [newest(results, f"{suite}-2*.json")]
+    if per_cpu and files[0] is not None:
+        seen = {isa(_cpu(json.loads(files[0].read_text())))}
+        for path in sorted(results.glob(f"{suite}-2*.json"), reverse=True):
+            cls = isa(_cpu(json.loads(path.read_text())))
+            if cls not in seen:
+                seen.add(cls)
+                files.append(path)
+    if files[0] is None:
         return "Not measured yet: no result file of this suite is committed."
-    doc = json.loads(path.read_text())
-    meta = machine(doc)
-    partial = f" ({meta['partial']})" if meta["partial"] else ""
-    return "\n".join([
-        harness_table(doc, extra), "",
-        f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git {meta['sha'][:7]}"
-        f"{partial}. Command: `{command}`. Result file: "
-        f"[{path.name}]({os.path.relpath(path, docs)})."])
+    parts, arms = [], None
+    for path in files:
+        doc = json.loads(path.read_text())
+        meta = machine(doc)
+        partial = f" ({meta['partial']})" if meta["partial"] else ""
+        arms = arms or list(doc["summary"])  # the newest file's arms
+        run = command if list(doc["summary"]) == arms else \
+            f"{command} --arms {','.join(doc['summary'])}"
+        parts += [harness_table(doc, extra), "",
+                  f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git "
+                  f"{meta['sha'][:7]}{partial}. Command: `{run}`. Result file: "
+                  f"[{path.name}]({os.path.relpath(path, docs)}).", ""]
+    return "\n".join(parts[:-1])
+
+
+def _cpu(doc: dict) -> dict:
+    """The CPU a result file records (a partial file: at its start; older partial files: none)."""
+    return (doc.get("provenance") or doc.get("machine") or {}).get("cpu", {})
 
 
 def render_block(suite: str, results: Path, page_dir: Path) -> str:

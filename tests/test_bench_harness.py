@@ -419,17 +419,44 @@ def test_dist_projection_reads_the_committed_distributed_run(tmp_path, demo_src)
                                  "--out", str(out)]) == 2
 
 
-def test_core_scaling_smoke_writes_the_pair_over_solo(tmp_path):
-    """The core-scaling probe runs its real workloads in pinned processes and writes, per
-    workload, the pair's total rate over the solo rate and its inverse (the two-rank bound)."""
-    from benchmarks import core_scaling
+def _run_smoke(suite: str, tmp_path) -> dict:
+    from benchmarks.__main__ import main as bench_main
 
-    assert core_scaling.main(["--smoke", "--out", str(tmp_path)]) == 0
-    (path,) = tmp_path.glob("core-scaling-smoke-*.json")
+    assert bench_main(["run", suite, "--smoke", "--out", str(tmp_path),
+                       "--workdir", str(tmp_path / "work")]) == 0
+    (path,) = tmp_path.glob(f"{suite}-smoke-*.json")
     doc = json.loads(path.read_text())
     provenance.validate(doc["provenance"])
-    for workload in core_scaling.WORKLOADS:
-        rec = doc["passes"][0][workload]
-        assert rec["solo_rate"] > 0 and len(rec["pair_rates"]) == 2 and min(rec["pair_rates"]) > 0
-        assert rec["pair_total_over_solo"] == pytest.approx(sum(rec["pair_rates"]) / rec["solo_rate"])
-        assert rec["best_two_rank_wall_ratio"] == pytest.approx(1 / rec["pair_total_over_solo"])
+    assert not doc["failed_passes"], doc["failed_passes"]
+    return doc
+
+
+def test_core_scaling_smoke_writes_the_pair_over_solo(tmp_path):
+    """The core-scaling suite runs its real workloads in pinned processes: a pair's rate is the
+    sum of its two processes' and is compared with the solo rate of the same workload."""
+    from benchmarks.core_scaling import WORKLOADS
+
+    doc = _run_smoke("core_scaling", tmp_path)
+    for workload in WORKLOADS:
+        solo, = (r for r in doc["records"] if r["arm"] == f"solo-{workload}")
+        pair, = (r for r in doc["records"] if r["arm"] == f"pair-{workload}")
+        assert solo["metrics"]["rate"] > 0 and len(pair["extras"]["rates"]) == 2
+        assert pair["metrics"]["rate"] == pytest.approx(sum(pair["extras"]["rates"]))
+        assert doc["baseline_of"][f"pair-{workload}"] == f"solo-{workload}"
+
+
+def test_hessian_cost_smoke_times_every_operation_and_the_products_errors(tmp_path):
+    """The Hessian-cost suite times each product and factorization in its own process, and
+    records each product's error against float64: the exact sums' is at float32's rounding,
+    the bf16 slabs' far above it."""
+    doc = _run_smoke("hessian_cost", tmp_path)
+    arms = {r["arm"]: r for r in doc["records"]}
+    assert set(arms) == {f"{op}-{k}" for op in ("bf16-slabs", "gram", "lapack", "blocked")
+                         for k in (64, 128)}
+    for k in (64, 128):
+        exact, slabs = (arms[f"{op}-{k}"]["extras"]["max_error_relative"]
+                        for op in ("gram", "bf16-slabs"))
+        assert exact < 1e-6 < slabs, (exact, slabs)
+        assert doc["baseline_of"][f"gram-{k}"] == f"bf16-slabs-{k}"
+        assert doc["baseline_of"][f"blocked-{k}"] == f"lapack-{k}"
+    assert all(r["metrics"]["seconds"] > 0 for r in doc["records"])

@@ -148,8 +148,9 @@ def build(opts: SuiteOptions) -> Suite:
     )
 
 
-def _digests(records: list[dict]) -> str:
-    digests = sorted({r["extras"].get("tensors_sha256", "")[:8] for r in records})
+def _digests(arm: str, doc: dict) -> str:
+    digests = sorted({r["extras"].get("tensors_sha256", "")[:8] for r in doc["records"]
+                      if r["arm"] == arm and r.get("ok")})
     return ", ".join(f"`{d}…`" for d in digests) or "—"
 
 

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 from ..harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
+from ..render import harness_block
 from .quantize import SuiteOptions, select
 
 # the arms: export-phone's schemes, and 8da4w without smoothing
@@ -261,3 +262,36 @@ def run_from_cli(smoke: bool, passes: int | None, src: Path | None, arms: list[s
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 1 if result["failed_passes"] else 0
+
+
+def _verification(arm: str, doc: dict) -> dict:
+    """The export's verification (the build's, the same in every pass's record)."""
+    return next(r["extras"]["verification"] for r in doc["records"] if r["arm"] == arm and r.get("ok"))
+
+
+def _vs_float(arm: str, doc: dict) -> str:
+    v = _verification(arm, doc)["pte_vs_float"]
+    return f"{v['snr_db']:.1f} dB / {v['top1_agreement']:.3f} / {v['mean_kl']:.4f}"
+
+
+def _perplexity(arm: str, doc: dict) -> str:
+    v = _verification(arm, doc)
+    return f"{v['perplexity']['pte']:.2f} (×{v['perplexity_ratio']:.4f})"
+
+
+def _vs_own_graph(arm: str, doc: dict) -> str:
+    v = _verification(arm, doc)["pte_vs_quantized"]
+    return f"{v['snr_db']:.1f} dB / {v['top1_agreement']:.3f}"
+
+
+def _export(arm: str, doc: dict) -> str:
+    b = doc["builds"][arm]
+    return f"{b['wall_seconds']:.0f} s, {b['rss']['peak_rss_anon_bytes'] / 2**30:.1f} GiB"
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table, with each export's
+    verification against the float model and its own quantized graph."""
+    return harness_block(results, docs, "phone", "python -m benchmarks run phone", {
+        "vs float: SNR / top-1 / mean KL": _vs_float, "perplexity (× float)": _perplexity,
+        "vs own graph: SNR / top-1": _vs_own_graph, "export: time, peak RssAnon": _export})

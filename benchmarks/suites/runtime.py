@@ -64,6 +64,7 @@ from pathlib import Path
 
 from .. import tinygemm_bench as tb
 from ..harness import SkippedArm, Suite
+from ..render import harness_block
 from .quantize import SuiteOptions, select, source_model
 
 REAL = {"decode_tokens": 64, "prompt_len": tb.PROMPT_LEN, "eager": False}
@@ -135,3 +136,8 @@ def build(opts: SuiteOptions) -> Suite:
     suite.notes.append("quantized arms: RTN data-free (--calib none, no scale search), built "
                        "once before the passes; speed only, fidelity is the fidelity suite's")
     return suite
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the newest result file's table on each CPU class measured."""
+    return harness_block(results, docs, "runtime", "python -m benchmarks run runtime", per_cpu=True)
