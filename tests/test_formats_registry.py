@@ -98,3 +98,34 @@ def test_one_answer_to_whether_a_group_can_be_stored():
     assert get_format("gptq").limits.group_problem(-1) is None  # GPTQ stores a row as a group
     spec = get_format("cpu_int4")
     assert _group_problem(spec, -1) is None and _group_problem(spec, -1, 576) is not None
+
+
+def test_no_format_name_is_written_outside_its_package():
+    """Outside ``cpu_quant/formats/`` the code asks the registry: no string that is a format's
+    name alone (``gptq`` is also a method and a command, so only as a ``format=`` argument),
+    and probe's rows that choose a format come from that format's package."""
+    import ast
+
+    from cpu_quant.core import naming  # noqa: F401  (the package imports; formats registered)
+    from cpu_quant.probe import DECISION_TABLE
+    from cpu_quant.quantize.settings import METHODS
+
+    names = set(format_names())
+    alone = names - set(METHODS)
+    root = Path(__file__).resolve().parents[1] / "cpu_quant"
+    found = []
+    for path in root.rglob("*.py"):
+        if "formats" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in alone:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.value!r}")
+            if (isinstance(node, ast.keyword) and node.arg == "format"
+                    and isinstance(node.value, ast.Constant) and node.value.value in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno} format={node.value.value!r}")
+    assert not found, found
+    by_format = {r.name: r.format for r in DECISION_TABLE}
+    assert {f for f in by_format.values() if f} <= names
+    assert by_format["x86-amx-speed"] == "gptq" and by_format["x86-tinygemm"] == "cpu_int4"
+    orders = [r.order for r in DECISION_TABLE]
+    assert orders == sorted(orders) and len(set(orders)) == len(orders)

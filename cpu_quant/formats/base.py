@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -109,6 +109,29 @@ def combined_limits(formats: list[Format]) -> Limits:
     )
 
 
+@dataclass(frozen=True)
+class ProbeRule:
+    """One row of ``probe``'s decision table: when it holds (``when(facts, priority, target)``),
+    the path it names, the kernel that runs it and why. ``order`` places it in the table (rows
+    are tried in ascending order, the first that holds wins). A format package declares the
+    rows that name it (:attr:`Format.probe_rules`; the registry fills ``format``); rows whose
+    path is not a format's give their ``command`` instead."""
+
+    order: int
+    name: str
+    when: Callable[[CpuFacts, str, str], bool]
+    path: str
+    kernel: str
+    verified: bool
+    reason: str
+    alternative: str | None = None  # the name of a second row worth printing
+    format: str | None = None
+    command: str | None = None
+
+    def command_line(self) -> str:
+        return self.command or get_format(self.format).write_command()
+
+
 class Format:
     """An on-disk format. Subclasses register with ``class X(Format, name="x")``."""
 
@@ -126,6 +149,8 @@ class Format:
     # a config file some writers of this format keep beside config.json instead of its
     # quantization_config (AutoGPTQ's quantize_config.json); read when config.json has none
     legacy_config_file: ClassVar[str | None] = None
+    # the rows of probe's decision table that choose this format (``format`` left unset)
+    probe_rules: ClassVar[tuple[ProbeRule, ...]] = ()
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -227,6 +252,12 @@ def format_for_quant_method(quant_method: str | None) -> Format | None:
         if quant_method in cls.quant_methods:
             return cls()  # type: ignore[return-value]
     return None
+
+
+def format_probe_rules() -> list[ProbeRule]:
+    """Every format's rows of probe's decision table, each naming its format."""
+    return [replace(rule, format=name) for name, cls in sorted(REGISTRY.items())
+            for rule in cls.probe_rules]
 
 
 def format_owning(path: Path) -> Format | None:

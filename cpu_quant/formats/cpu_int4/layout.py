@@ -78,6 +78,7 @@ from ...core.grid import QZERO, GroupQuant
 from ..base import Limits, Serving, TensorSpec
 from ..safetensors import SafetensorsFormat
 from ..sink import ArtifactInfo
+from .serving import PROBE_RULES
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
@@ -174,6 +175,7 @@ class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
     vllm_method = f"{__package__}.vllm_method"  # the quantization method the plugin registers
     summary = "tinygemm"
     command = "tinygemm"
+    probe_rules = PROBE_RULES
 
     def serving(self, target: Path) -> Serving:
         return Serving("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads "

@@ -172,6 +172,7 @@ class GPTQFormat(SafetensorsFormat, name="gptq"):
     vllm_patches = (f"{__package__}.vllm_kernel",)  # symmetric layers on tinygemm
     summary = "vLLM"
     legacy_config_file = "quantize_config.json"  # AutoGPTQ's, beside config.json
+    probe_rules = gptq_serving.PROBE_RULES
 
     def serving(self, target: Path) -> Serving:
         return gptq_serving.serving(target)
