@@ -14,6 +14,25 @@ for arg in "$@"; do
 done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "$WITH_PEERS" = 1 ]; then
+  # The three peers need nothing from .venv (the builders use the standard library and their own
+  # venvs): they start first and build side by side with .venv's install (the llama.cpp compile,
+  # the longest step, on the cores while the wheels download), each into its own log, shown
+  # when it fails.
+  logs=$(mktemp -d)
+  pids=() names=()
+  side_by_side() { local name=$1; shift; "$@" >"$logs/$name.log" 2>&1 & pids+=($!); names+=("$name"); }
+  side_by_side "llama-cpp-python 0.3.36 peer venv" "$PY" -m benchmarks.peers.llama_cpp_env
+  side_by_side "GPTQModel 7.6.0 peer venv" "$PY" -m benchmarks.peers.gptqmodel_env
+  # the report.html test renders the page in a real headless browser: Debian's chromium
+  if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      side_by_side "chromium" bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium"
+    else
+      echo "note: no chromium (apt-get install chromium); the report.html browser test will skip"
+    fi
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -30,21 +49,6 @@ fi
 .venv/bin/python -m cpu_quant.vllm_alias
 .venv/bin/python -c "import torch, transformers, vllm, cpu_quant; print('torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 if [ "$WITH_PEERS" = 1 ]; then
-  # The three peers are independent: built side by side (the llama.cpp compile on the cores while
-  # the GPTQModel venv and chromium download), each into its own log, shown when it fails.
-  logs=$(mktemp -d)
-  pids=() names=()
-  side_by_side() { local name=$1; shift; "$@" >"$logs/$name.log" 2>&1 & pids+=($!); names+=("$name"); }
-  side_by_side "GPTQModel 7.6.0 peer venv" .venv/bin/python -m benchmarks.peers.gptqmodel_env
-  side_by_side "llama-cpp-python 0.3.36 peer venv" .venv/bin/python -m benchmarks.peers.llama_cpp_env
-  # the report.html test renders the page in a real headless browser: Debian's chromium
-  if ! command -v chromium >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      side_by_side "chromium" bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium"
-    else
-      echo "note: no chromium (apt-get install chromium); the report.html browser test will skip"
-    fi
-  fi
   failed=0
   for i in "${!pids[@]}"; do
     if wait "${pids[$i]}"; then
