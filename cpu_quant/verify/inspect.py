@@ -1,6 +1,7 @@
-"""A human summary of a quantized (or bf16) checkpoint, from the safetensors headers alone.
+"""A human summary of a quantized (or bf16) checkpoint.
 
-``inspect_checkpoint(DIR)`` reads no tensor data. It reports:
+``inspect_checkpoint(DIR)`` reads the safetensors headers, and of an unquantized checkpoint
+sampled rows of its linears. It reports:
 
 * the format (``gptq`` with its ``checkpoint_format``, ``cpu_int4``, or unquantized), bits,
   default group and the number of ``dynamic`` rules;
@@ -14,7 +15,10 @@
   ``linear (unquantized)`` for other 2-D ``.weight`` tensors, ``vector`` for 1-D weights
   (norms), ``bias`` and ``other``;
 * the head and embedding state, total tensor bytes against the same model in bf16, and the
-  headline of ``quantization_report.json`` when present.
+  headline of ``quantization_report.json`` when present;
+* of an unquantized checkpoint, the quantization grid its linears already sit on
+  (``core/source_grid.py``): a model that was stored as a GGUF quantization and dequantized
+  keeps that grid, and a method on the same grid recovers it almost exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import open_checkpoint
 from ..core.naming import HEAD_NAME
+from ..core.source_grid import SourceGrid, detect, sample_rows
 from ..formats import format_owning
 from .checks import (
     DTYPE_BYTES,
@@ -70,6 +75,8 @@ class InspectReport:
     report: dict | None = None
     files: int = 0
     notes: list[str] = field(default_factory=list)
+    # an unquantized checkpoint: the quantization grid its linears already sit on
+    source_grid: dict | None = None
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, **asdict(self)}
@@ -95,6 +102,9 @@ class InspectReport:
         for row in self.kinds:
             out.append(f"             {row.kind:<22} {row.dtype:<6} {row.count:>6} "
                        f"{row.bytes / mb:>9.2f}")
+        if self.source_grid is not None:
+            out.append(f"source grid  {self.source_grid['summary']} (rows sampled, blocks of "
+                       f"{self.source_grid['block']})")
         if self.report:
             out.append("report       " + ", ".join(f"{k}={v}" for k, v in self.report.items()))
         out.extend(f"note         {n}" for n in self.notes)
@@ -166,6 +176,16 @@ class FormatSummary:
                  for k, v in self.summary.items()]
         width = max(len(k) for k, _ in rows)
         return [f"{k:<{width}}  {v}" for k, v in rows]
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def _source_grid(ckpt) -> SourceGrid:
+    """The grid that an unquantized checkpoint's linears (and head) already sit on."""
+    names = [n for n in ckpt.names if len(ckpt.shape(n)) == 2 and ckpt.dtype(n) in FLOAT_DTYPES
+             and _kind(n, (), 2, HEAD_NAME) in ("linear (unquantized)", "head")]
+    return detect((n, ckpt.rows(n, sample_rows(ckpt.shape(n)[0]))) for n in names)
 
 
 def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
@@ -257,6 +277,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
             report=_report_headline(root),
             files=len(ckpt.headers),
             notes=notes,
+            source_grid=None if spec else _source_grid(ckpt).to_json(),
         )
     finally:
         ckpt.close()

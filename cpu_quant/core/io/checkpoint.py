@@ -409,6 +409,18 @@ class Checkpoint:
                                     "and the quantizers' float32 error terms overflow on it")
         return t
 
+    def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of a 2-D tensor, each read on its own (the rest stays on disk)."""
+        from safetensors import safe_open
+
+        file = self.files[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = safe_open(str(file), framework="pt")
+            self._handles[file] = handle
+        part = handle.get_slice(name)
+        return torch.cat([part[i:i + 1] for i in index.tolist()])
+
     def close(self) -> None:
         self._handles.clear()
 
