@@ -117,6 +117,9 @@ def test_eval_json_saved_reference_and_refusal(tiny_llama, tiny_rtn, tmp_path):
                 "ppl_quantized_stderr", "ppl_delta_stderr", "top1_stderr", "kl_histogram"):
         assert key in w
     assert "fidelity vs the bf16 source" in fresh.stderr  # the human table went to stderr
+    # the reference's grid: a random model's weights sit on none, and nothing is said about it
+    assert doc["reference_grid"]["counts"] == {"no grid of 5 bits or fewer": 14}, doc["reference_grid"]
+    assert "already sit on a quantization grid" not in fresh.stderr
     saved = _eval(str(tiny_rtn), "--reference-logits", str(ref_file), *SMALL, "--json")
     assert saved.exit_code == 0, saved.stderr
     w2 = json.loads(saved.stdout)["fidelity"]["weights"]

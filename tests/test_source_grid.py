@@ -81,3 +81,21 @@ def test_inspect_names_the_demo_models_q4_1_grid(demo_src: Path):
     report = inspect_checkpoint(demo_src)
     assert report.source_grid["counts"] == {GRIDS[2]: 210}, report.source_grid
     assert any(line.startswith("source grid  4-bit (Q4_1-like") for line in report.lines())
+
+
+def test_eval_says_when_the_reference_sits_on_a_grid(demo_src: Path, tmp_path: Path):
+    """``eval`` records the reference's grid and says when it is one (the demo model's Q4_1)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cpu_quant.cli import main
+
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(main, ["eval", "--reference", str(demo_src), "--save-reference",
+                                       str(tmp_path / "ref.safetensors"), "--windows", "1",
+                                       "--seqlen", "32", "--prompts", "1", "--new-tokens", "1",
+                                       "--output-json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.stderr
+    assert "already sit on a quantization grid (4-bit (Q4_1-like, affine)" in result.stderr
+    assert json.loads(out.read_text())["reference_grid"]["counts"] == {GRIDS[2]: 210}

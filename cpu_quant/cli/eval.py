@@ -27,6 +27,24 @@ def _eval_provenance(settings: EvalSettings) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def _reference_grid(ref_path: Path, conv: RunConventions) -> dict:
+    """The grid the reference's weights already sit on (``core/source_grid.py``), said when it
+    is one: a 4-bit method on the same grid recovers such weights almost exactly."""
+    from ..core.io.checkpoint import open_checkpoint
+    from ..core.source_grid import checkpoint_grid
+
+    ckpt = open_checkpoint(ref_path)
+    try:
+        grid = checkpoint_grid(ckpt)
+    finally:
+        ckpt.close()
+    if grid.on_a_grid:
+        conv.note(f"the reference's weights already sit on a quantization grid ({grid.summary()}):"
+                  " a method on that grid recovers them almost exactly; judge methods on a model"
+                  " whose grid differs")
+    return grid.to_json()
+
+
 def run_eval(quant: str | None, reference: str | None, full: bool, text: str | None, w4a8: bool,
              save_reference: str | None, reference_logits: str | None,
              output_json: str | None, *, sizes: dict, conv: RunConventions) -> dict:
@@ -72,6 +90,8 @@ def run_eval(quant: str | None, reference: str | None, full: bool, text: str | N
             doc.update(quantized=str(quant_path), saved_reference=save_reference,
                        fidelity={k: v.as_dict() for k, v in fid.items()})
             click.echo("\n".join(fidelity_lines(fid)))
+        if ref_path is not None:
+            doc["reference_grid"] = _reference_grid(ref_path, conv)
         doc["seconds"] = round(time.perf_counter() - t0, 1)
         doc["provenance"] = _eval_provenance(settings)
         emit(doc)

@@ -170,3 +170,20 @@ def detect(named_weights) -> SourceGrid:
         most, grid = classify(w)
         out.linears.append(LinearGrid(name, int(w.shape[0]), most, grid))
     return out
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def is_linear_weight(name: str, shape: tuple[int, ...], dtype: str) -> bool:
+    """A float 2-D ``.weight`` that is not an input embedding: a linear or the head."""
+    module, _, leaf = name.rpartition(".")
+    return (leaf == "weight" and len(shape) == 2 and dtype in FLOAT_DTYPES
+            and "embed" not in module and not module.endswith("wte"))
+
+
+def checkpoint_grid(ckpt) -> SourceGrid:
+    """The grid of every linear (and an untied head) of an open checkpoint
+    (``core.io.checkpoint.Checkpoint``), from sampled rows."""
+    names = [n for n in ckpt.names if is_linear_weight(n, ckpt.shape(n), ckpt.dtype(n))]
+    return detect((n, ckpt.rows(n, sample_rows(ckpt.shape(n)[0]))) for n in names)

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import open_checkpoint
 from ..core.naming import HEAD_NAME
-from ..core.source_grid import SourceGrid, detect, sample_rows
+from ..core.source_grid import checkpoint_grid
 from ..formats import format_owning
 from .checks import (
     DTYPE_BYTES,
@@ -178,16 +178,6 @@ class FormatSummary:
         return [f"{k:<{width}}  {v}" for k, v in rows]
 
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
-
-
-def _source_grid(ckpt) -> SourceGrid:
-    """The grid that an unquantized checkpoint's linears (and head) already sit on."""
-    names = [n for n in ckpt.names if len(ckpt.shape(n)) == 2 and ckpt.dtype(n) in FLOAT_DTYPES
-             and _kind(n, (), 2, HEAD_NAME) in ("linear (unquantized)", "head")]
-    return detect((n, ckpt.rows(n, sample_rows(ckpt.shape(n)[0]))) for n in names)
-
-
 def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
     root = Path(path)
     owner = format_owning(root)
@@ -277,7 +267,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
             report=_report_headline(root),
             files=len(ckpt.headers),
             notes=notes,
-            source_grid=None if spec else _source_grid(ckpt).to_json(),
+            source_grid=None if spec else checkpoint_grid(ckpt).to_json(),
         )
     finally:
         ckpt.close()
