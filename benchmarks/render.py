@@ -21,14 +21,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGES = (ROOT / "docs" / "results.md",)
+PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "testing.md")
 # suite -> the module that renders its table
 RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism",
             "eval": "benchmarks.suites.eval", "distributed": "benchmarks.suites.distributed",
             "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory",
             "runtime": "benchmarks.suites.runtime", "phone": "benchmarks.suites.phone",
             "hessian_cost": "benchmarks.suites.hessian_cost",
-            "core_scaling": "benchmarks.suites.core_scaling"}
+            "core_scaling": "benchmarks.suites.core_scaling",
+            "test-tiers": "benchmarks.test_tiers"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)
 

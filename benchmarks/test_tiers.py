@@ -155,5 +155,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["returncode"] == 0 for r in records) and doc["complete"] else 1
 
 
+def _cell(record: dict | None) -> str:
+    if record is None:
+        return "not run"
+    counts = (record.get("pytest") or {}).get("counts", {})
+    said = ", ".join(f"{n} {word}" for word, n in counts.items()
+                     if word in ("passed", "failed", "skipped", "xfailed", "error", "errors"))
+    status = "" if record["returncode"] == 0 else f", exit {record['returncode']}"
+    return f"{record['wall_seconds']:.0f} s" + (f" ({said}{status})" if said or status else "")
+
+
+def render(results: Path, docs: Path) -> str:
+    """The testing page's table: per CPU class, the newest run that timed every tier (the
+    setup too where it ran), with its machine, git and result file."""
+    from .render import isa
+
+    rows, seen = [], set()
+    for path in sorted(results.glob("test-tiers-2*.json"), reverse=True):
+        doc = json.loads(path.read_text())
+        steps_run = {r["step"]: r for r in doc["records"]}
+        if not {"unit", "unit-xdist", "e2e"} <= set(steps_run):
+            continue
+        cpu = doc["provenance"]["cpu"]
+        cls = isa(cpu)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        git = doc["provenance"]["git"]
+        total = sum(r["wall_seconds"] for r in doc["records"])
+        rows.append(f"| {cpu['model']} ({cls}), {doc['provenance']['threads']['cpu_count']} cores "
+                    f"| {git['sha'][:7]}{' (dirty)' if git['dirty'] else ''} "
+                    f"| {_cell(steps_run.get('setup'))} | {_cell(steps_run['unit'])} "
+                    f"| {_cell(steps_run['unit-xdist'])} | {_cell(steps_run['e2e'])} "
+                    f"| {total / 60:.1f} min | [{path.name}]({os.path.relpath(path, docs)}) |")
+    if not rows:
+        return "Not measured yet: no result file of a run of every tier is committed."
+    return "\n".join(["| CPU | git | setup (clean clone) | unit tier, one process | unit tier, "
+                      "2 workers | end-to-end tier, 2 workers | the steps run, total | result file |",
+                      "|---|---|---|---|---|---|---|---|", *rows, "",
+                      "Command: `python -m benchmarks.test_tiers [--setup]`."])
+
+
 if __name__ == "__main__":
     sys.exit(main())
