@@ -388,7 +388,8 @@ class Checkpoint:
     def dtype(self, name: str) -> str:
         return self.info(name)["dtype"]
 
-    def tensor(self, name: str, check_finite: bool = False) -> torch.Tensor:
+    def _handle(self, name: str):
+        """The open safetensors file holding ``name`` (opened once)."""
         from safetensors import safe_open
 
         file = self.files[name]
@@ -396,7 +397,10 @@ class Checkpoint:
         if handle is None:
             handle = safe_open(str(file), framework="pt")
             self._handles[file] = handle
-        t = handle.get_tensor(name)
+        return handle
+
+    def tensor(self, name: str, check_finite: bool = False) -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
         if check_finite and t.is_floating_point() and t.numel():
             # one pass, no copy of the tensor; both are NaN if any element is
             lo, hi = (float(v) for v in torch.aminmax(t))
@@ -411,14 +415,7 @@ class Checkpoint:
 
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of a 2-D tensor, each read on its own (the rest stays on disk)."""
-        from safetensors import safe_open
-
-        file = self.files[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = safe_open(str(file), framework="pt")
-            self._handles[file] = handle
-        part = handle.get_slice(name)
+        part = self._handle(name).get_slice(name)
         return torch.cat([part[i:i + 1] for i in index.tolist()])
 
     def close(self) -> None:
