@@ -34,12 +34,14 @@ BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite)
                    re.S)
 
 
-def newest(results: Path, pattern: str) -> Path | None:
+def newest(results: Path, pattern: str, complete: bool = False) -> Path | None:
     """The newest result file of ``pattern`` that holds a pass (a complete one before a
-    partial one of the same time), or None."""
+    partial one of the same time; only complete ones with ``complete``), or None."""
     files = sorted(results.glob(pattern), key=lambda p: (p.name.split("-")[-1][:16],
                                                          "partial" not in p.name))
     for path in reversed(files):
+        if complete and "partial" in path.name:
+            continue
         doc = json.loads(path.read_text())
         if "provenance" in doc or doc.get("records"):  # a partial file from its first pass on
             return path
@@ -82,7 +84,7 @@ def _spread(s: dict, unit: str) -> str:
     """A metric's median [min–max] with its unit (bytes in MiB)."""
     if unit == "B":
         return f"{s['median'] / 2**20:.0f} [{s['min'] / 2**20:.0f}–{s['max'] / 2**20:.0f}] MiB"
-    return f"{s['median']:.1f} [{s['min']:.1f}–{s['max']:.1f}] {unit}".rstrip()
+    return f"{s['median']:.4g} [{s['min']:.4g}–{s['max']:.4g}] {unit}".rstrip()
 
 
 def harness_table(doc: dict, extra: dict | None = None) -> str:
@@ -120,10 +122,12 @@ def harness_block(results: Path, docs: Path, suite: str, command: str,
     """The block of a harness suite: its table from the newest result file, the machine, the
     command and the file (links relative to the page in ``docs``). ``per_cpu``: one table per
     CPU class (:func:`isa`) that a result file was measured on, the newest file of each."""
-    files = [newest(results, f"{suite}-2*.json")]
+    files = [newest(results, f"{suite}-2*.json", complete=True)]
     if per_cpu and files[0] is not None:
         seen = {isa(_cpu(json.loads(files[0].read_text())))}
         for path in sorted(results.glob(f"{suite}-2*.json"), reverse=True):
+            if "partial" in path.name:
+                continue
             cls = isa(_cpu(json.loads(path.read_text())))
             if cls not in seen:
                 seen.add(cls)
