@@ -118,10 +118,12 @@ def harness_table(doc: dict, extra: dict | None = None) -> str:
 
 
 def harness_block(results: Path, docs: Path, suite: str, command: str,
-                  extra: dict | None = None, per_cpu: bool = False) -> str:
+                  extra: dict | None = None, per_cpu: bool = False,
+                  all_arms: list[str] | None = None) -> str:
     """The block of a harness suite: its table from the newest result file, the machine, the
     command and the file (links relative to the page in ``docs``). ``per_cpu``: one table per
-    CPU class (:func:`isa`) that a result file was measured on, the newest file of each."""
+    CPU class (:func:`isa`) that a result file was measured on, the newest file of each.
+    ``all_arms``: the suite's arms, so that a run of fewer says its ``--arms``."""
     files = [newest(results, f"{suite}-2*.json", complete=True)]
     if per_cpu and files[0] is not None:
         seen = {isa(_cpu(json.loads(files[0].read_text())))}
@@ -139,7 +141,7 @@ def harness_block(results: Path, docs: Path, suite: str, command: str,
         doc = json.loads(path.read_text())
         meta = machine(doc)
         partial = f" ({meta['partial']})" if meta["partial"] else ""
-        arms = arms or list(doc["summary"])  # the newest file's arms
+        arms = arms or all_arms or list(doc["summary"])  # the newest file's arms
         run = command if list(doc["summary"]) == arms else \
             f"{command} --arms {','.join(doc['summary'])}"
         parts += [harness_table(doc, extra), "",

@@ -80,4 +80,5 @@ def _error(arm: str, doc: dict) -> str:
 def render(results: Path, docs: Path) -> str:
     """The results page's block: the newest result file's table."""
     return harness_block(results, docs, "hessian_cost", "python -m benchmarks run hessian_cost",
-                         {"largest error, relative": _error})
+                         {"largest error, relative": _error},
+                         all_arms=[f"{op}-{k}" for k in WIDTHS for op in OPS])
