@@ -38,9 +38,12 @@ def test_gguf_blocks_are_told_by_their_grid(qtype, grid):
 
 
 def test_trained_weights_and_an_8_bit_grid_sit_on_no_4_or_5_bit_grid():
-    """The count of levels sees nothing at 6 bits or more (stated in the module)."""
+    """The count of levels sees nothing at 6 bits or more (stated in the module); an empty
+    weight, or one whose rows are no whole blocks of 32, sits on none either."""
     assert classify(torch.from_numpy(_weights()).bfloat16())[1] == GRIDS[-1]
     assert classify(_through(T.Q8_0))[1] == GRIDS[-1]
+    for shape in ((0, K), (ROWS, 0), (ROWS, 48)):
+        assert classify(torch.zeros(shape))[1] == GRIDS[-1], shape
 
 
 def _q4_k(seed: int, max_sc: int | None) -> torch.Tensor:

@@ -142,7 +142,7 @@ def _six_bit_sub_scales(step: torch.Tensor) -> torch.Tensor:
 def classify(weight: torch.Tensor) -> tuple[int, str]:
     """(the most distinct values in one block of 32, the grid) of a 2-D weight's rows."""
     n, k = weight.shape
-    if k % BLOCK:
+    if k % BLOCK or not weight.numel():
         return 0, GRIDS[-1]
     w = weight.float().reshape(-1, BLOCK)
     v, distinct = _levels(w)

@@ -416,7 +416,8 @@ class Checkpoint:
     def rows(self, name: str, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of a 2-D tensor, each read on its own (the rest stays on disk)."""
         part = self._handle(name).get_slice(name)
-        return torch.cat([part[i:i + 1] for i in index.tolist()])
+        rows = [part[i:i + 1] for i in index.tolist()]
+        return torch.cat(rows) if rows else self.tensor(name)[:0]
 
     def close(self) -> None:
         self._handles.clear()
