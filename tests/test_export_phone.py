@@ -167,17 +167,22 @@ def test_gptq_codes_become_stored_codes_exactly() -> None:
 
 
 def test_the_exports_gptq_run_is_the_command_with_the_tests_settings() -> None:
-    """The tiny 8da4w export makes its codes with `cpu-quant gptq` and TINY_GPTQ's flags, in
-    its own process (which the tests compare the program against)."""
+    """The tiny 8da4w export makes its codes with the library call of `cpu-quant gptq` with
+    TINY_GPTQ's flags (which the tests compare the program against): the recorded command's
+    settings, parsed as the command parses them, are the run's."""
+    from cpu_quant.cli.gptq import gptq
+    from cpu_quant.cli.quantize_run import _settings_from
     from cpu_quant.export.pipeline import gptq_command
 
-    argv = gptq_command(Path("SRC"), Path("OUT"), small_settings(backend="xnnpack",
-                                                                 scheme="8da4w"), quiet=True)
-    assert argv[1:6] == ["-m", "cpu_quant.cli", "gptq", "SRC", "OUT"]
-    flags = argv[6:]
+    settings = small_settings(backend="xnnpack", scheme="8da4w")
+    argv = gptq_command(settings)
+    assert argv[:4] == ["cpu-quant", "gptq", "SRC", "OUT"]
+    flags = argv[4:]
     threads = flags.index("--threads")
     assert flags[threads + 1] == str(torch.get_num_threads())
-    assert sorted(flags[:threads] + flags[threads + 2:]) == sorted(TINY_GPTQ + ["--quiet"])
+    assert sorted(flags[:threads] + flags[threads + 2:]) == sorted(TINY_GPTQ)
+    opts = gptq.make_context("gptq", argv[2:]).params
+    assert _settings_from(opts, symmetric=True) == settings.gptq_settings()
 
 
 def test_the_exports_gptq_run_smooths_for_8da4w_by_default() -> None:
@@ -774,20 +779,26 @@ def _cli_error(args: list[str]) -> str:
     return lines[0]
 
 
-def test_a_failed_gptq_run_is_one_line_and_leaves_nothing(peaked_llama: Path, tmp_path: Path,
-                                                          monkeypatch) -> None:
-    """The export's GPTQ command exits non-zero: its last error line is the export's one line,
-    exit 2, and neither OUT nor the staging directory is left."""
-    from cpu_quant.export import pipeline
+def test_a_failed_gptq_run_is_one_line_and_leaves_nothing(peaked_llama: Path, tmp_path: Path
+                                                          ) -> None:
+    """The export's GPTQ run (in its own process) stops with an error: the export's error
+    names it with the run's own message, and nothing is left at OUT or beside it. The run
+    fails for real: its destination in the staging directory is already taken."""
+    from cpu_quant.core.errors import CpuQuantError
+    from cpu_quant.core.io.artifact import StagedOutput
+    from cpu_quant.export.pipeline import gptq_codes
 
-    def failing(src, target, settings, quiet):
-        return [sys.executable, "-c", "import sys; sys.stderr.write('error: --calib x: no text\\n');"
-                " sys.exit(2)"]
-
-    monkeypatch.setattr(pipeline, "gptq_command", failing)
-    line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
-                       "--scheme", "8da4w", *SMALL_CLI])
-    assert "the GPTQ run for the 4-bit codes failed (exit 2): error: --calib x: no text" in line
+    settings = small_settings(backend="xnnpack", scheme="8da4w")
+    settings.validate()
+    with pytest.raises(CpuQuantError) as err, StagedOutput(tmp_path / "o",
+                                                          sources=[peaked_llama]) as staged:
+        taken = staged.path(".gptq")
+        taken.mkdir()
+        (taken / "somebody-elses.txt").write_text("x")
+        gptq_codes(peaked_llama, settings, staged, progress=False)
+    message = str(err.value)
+    assert message.startswith("the GPTQ run for the 4-bit codes failed: ") and "\n" not in message
+    assert str(taken) in message, message
     assert list(tmp_path.iterdir()) == []
 
 

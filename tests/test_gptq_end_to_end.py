@@ -196,14 +196,13 @@ def test_default_kernel_serves_the_artifact_on_tinygemm_like_its_dequantized_wei
 
 
 def _assert_greedy_matches_dequantized(artifact: Path, prompts: list[list[int]],
-                                       results: list[dict], path: str, reference=None) -> None:
+                                       results: list[dict], path: str) -> None:
     """vLLM's greedy tokens equal those of a torch model holding the dequantized weights and
     computing as vLLM's kernel ``path`` does, up to the first step whose top-2 margin is within
     that path's near-tie (the rest of the model differs from torch's bf16:
-    helpers/vllm_paths.py). ``reference``: that torch model, when already loaded."""
+    helpers/vllm_paths.py)."""
     near_tie = NEAR_TIE_NATS[path]
-    if reference is None:
-        reference = load_model(artifact, torch.bfloat16)
+    reference = load_model(artifact, torch.bfloat16)
     for prompt, res in zip(prompts, results, strict=True):
         with reference_context(reference, path):
             expected = _greedy(reference, torch.tensor([prompt]), NEW_TOKENS)[0].tolist()

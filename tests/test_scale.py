@@ -11,10 +11,14 @@ search, static-group act-order).
 
 A random model's next-token distribution is flat (logits of standard deviation about 0.9 over
 128,256 tokens): its top-2 margin is within a near-tie at most steps, so comparing greedy
-tokens alone would pass for almost any weights. The test also scores vLLM's tokens with the
-torch model of the dequantized weights, teacher-forced: every token vLLM chose must be within
-the path's near-tie of the torch model's best at that position. A misread checkpoint fails
-that at once: its choices are random tokens for the reference, nats below its best.
+tokens alone would pass for almost any weights. The test scores vLLM's tokens with the torch
+model of the dequantized weights, teacher-forced: every token vLLM chose must be within the
+path's near-tie of the torch model's best at that position. Where the torch model's best is
+clear of the near-tie, that is equality, so this is the greedy comparison of the smaller
+models' tests, step by step from vLLM's own context, in one forward pass per prompt instead
+of a generation of the torch model (on a CPU without native bf16, 48 decode steps of the 1B
+reference were most of this test's time). A misread checkpoint fails at once: its choices are
+random tokens for the reference, nats below its best.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from cpu_quant.models.shapes import SHAPES, random_model_path
 
 from .conftest import build_once, needs_vllm_gptq_kernel, run_cli
 from .helpers.vllm_paths import NEAR_TIE_NATS, reference_context, vllm_gptq_path
-from .test_gptq_end_to_end import NEW_TOKENS, _assert_greedy_matches_dequantized, _vllm_greedy
+from .test_gptq_end_to_end import NEW_TOKENS, _vllm_greedy
 
 pytestmark = pytest.mark.e2e  # writes a 2.5 GB checkpoint and quantizes it
 
@@ -80,8 +84,7 @@ def test_vllm_serves_a_1b_model_like_its_dequantized_weights(gptq_1b: Path, tmp_
     path = vllm_gptq_path()
     results, log = _vllm_greedy(gptq_1b, PROMPTS, tmp_path, plugins=None)
     assert "gptq" in log.lower()
-    reference = load_model(gptq_1b, torch.bfloat16)  # one load for both checks
-    _assert_greedy_matches_dequantized(gptq_1b, PROMPTS, results, path, reference)
+    reference = load_model(gptq_1b, torch.bfloat16)
     near_tie = NEAR_TIE_NATS[path]
     for prompt, res in zip(PROMPTS, results, strict=True):
         ids = torch.tensor([prompt + res["tokens"]])

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from ..core.errors import CpuQuantError
-from ..quantize.settings import DEFAULT_RANK_TIMEOUT
+from ..quantize.settings import DEFAULT_RANK_TIMEOUT, METHODS, QuantSettings
 from .conventions import overwrite_option, run_options
 
 
@@ -183,21 +183,26 @@ def _print_fidelity(reports: dict) -> None:
     click.echo("\n".join(fidelity_lines(reports)))
 
 
+# the library's defaults are the command's: one definition (smoothing aside: the command
+# smooths where it applies, ``--smooth``'s None; the library only when asked)
+DEFAULTS = QuantSettings()
+
+
 def quantize_options(fn):
     """Options shared by every command that runs the quantization pipeline."""
     options = [
-        click.option("--group", "group", type=int, default=128, show_default=True,
+        click.option("--group", "group", type=int, default=DEFAULTS.group_size, show_default=True,
                      help="Group size (32, 64, 128 or -1 for one group per row)."),
-        click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+        click.option("--method", type=click.Choice(METHODS), default=DEFAULTS.method, show_default=True,
                      help="Calibrated GPTQ, or round-to-nearest (data-free with --calib none)."),
         click.option("--calib", default=None,
                      help="Calibration text: 'austen' (built-in, default), 'none' (data-free, rtn "
                           "only), a .txt, a .jsonl with a 'text' field, or a directory of them."),
-        click.option("--samples", type=int, default=128, show_default=True,
+        click.option("--samples", type=int, default=DEFAULTS.samples, show_default=True,
                      help="Number of calibration windows."),
-        click.option("--seqlen", type=int, default=512, show_default=True,
+        click.option("--seqlen", type=int, default=DEFAULTS.seqlen, show_default=True,
                      help="Tokens per calibration window."),
-        click.option("--batch-size", type=int, default=8, show_default=True,
+        click.option("--batch-size", type=int, default=DEFAULTS.batch_size, show_default=True,
                      help="Calibration windows per forward pass (memory vs speed)."),
         click.option("--offload-activations", is_flag=True,
                      help="Keep the calibration activations on disk between layers (in the "
@@ -205,12 +210,12 @@ def quantize_options(fn):
                           "their own (16 MiB without this option): peak memory no longer grows "
                           "with --samples and is lower, at the cost of disk I/O and about 1.2x "
                           "the time; the artifact is identical."),
-        click.option("--act-order/--no-act-order", default=True, show_default=True,
+        click.option("--act-order/--no-act-order", default=DEFAULTS.act_order, show_default=True,
                      help="GPTQ sweeps the columns by decreasing Hessian diagonal, with the "
                           "group scales searched before the sweep (static groups), so the saved "
                           "layout keeps a trivial g_idx and desc_act false; --no-act-order "
                           "sweeps in natural order (see docs/gptq.md)."),
-        click.option("--damp", type=float, default=0.01, show_default=True,
+        click.option("--damp", type=float, default=DEFAULTS.damp, show_default=True,
                      help="GPTQ dampening, as a fraction of the Hessian's mean diagonal."),
         click.option("--no-scale-search", is_flag=True,
                      help="Plain absmax scales instead of the weighted scale search."),
@@ -278,9 +283,7 @@ def _agree_across_ranks(team, src: str | None, dst: str | None, formats: list, k
     agree_on_command(team, options, dict(flags, src="SRC", dst="DST"))
 
 
-def _settings_from(opts: dict, symmetric: bool):
-    from ..quantize.settings import QuantSettings
-
+def _settings_from(opts: dict, symmetric: bool) -> QuantSettings:
     return QuantSettings(
         method=opts["method"], group_size=opts["group"], scale_search=not opts["no_scale_search"],
         act_order=opts["act_order"], damp=opts["damp"], quantize_head=not opts["no_lm_head"],

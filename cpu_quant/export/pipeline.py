@@ -25,7 +25,6 @@ Output directory:
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -349,47 +348,75 @@ def export_phone(src: str | Path, out: str | Path, settings: PhoneExportSettings
     return report
 
 
-def gptq_command(src: Path, target: Path, settings: PhoneExportSettings, quiet: bool
-                 ) -> list[str]:
-    """The ``cpu-quant gptq`` command that gives the 4-bit schemes their codes."""
+def gptq_command(settings: PhoneExportSettings) -> list[str]:
+    """The ``cpu-quant gptq`` command that writes the codes the 4-bit schemes take (at this
+    process's thread count), for the report: the run below is that command's library call."""
     gptq = settings.gptq_settings()
-    argv = [sys.executable, "-m", "cpu_quant.cli", "gptq", str(src), str(target),
-            "--group", str(gptq.group_size), "--samples", str(gptq.samples),
-            "--seqlen", str(gptq.seqlen), "--threads", str(torch.get_num_threads()), "--no-eval"]
+    argv = ["cpu-quant", "gptq", "SRC", "OUT", "--group", str(gptq.group_size),
+            "--samples", str(gptq.samples), "--seqlen", str(gptq.seqlen),
+            "--threads", str(torch.get_num_threads()), "--no-eval"]
     if gptq.positive_scales:
         argv.append("--positive-scales")
     argv.append("--smooth" if gptq.smooth else "--no-smooth")  # not the command's default
     if gptq.calib is not None:
         argv += ["--calib", str(gptq.calib)]
-    return argv + (["--quiet"] if quiet else [])
+    return argv
+
+
+def run_gptq(src: Path, target: Path, gptq, threads: int, progress: bool, result) -> None:
+    """The export's GPTQ run, in the process :func:`gptq_codes` spawns for it; sends None, or
+    the error that stopped it, through the pipe end ``result``."""
+    from ..quantize.pipeline import quantize_checkpoint
+
+    torch.set_num_threads(threads)
+    try:
+        quantize_checkpoint(src, target, gptq, progress=progress)
+    except (CpuQuantError, KeyboardInterrupt) as exc:
+        result.send(exc if isinstance(exc, CpuQuantError) else Interrupted("interrupted"))
+    else:
+        result.send(None)
 
 
 def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, progress: bool
                ) -> tuple[dict, dict, dict | None]:
     """The 4-bit results (by static-graph name), where they came from, and the run's smoothing
-    factors (None unless it folded smoothing, ``gptq --smooth``): ``--quantized``, or a
-    ``cpu-quant gptq`` run made here into the staging directory (removed once read).
+    factors (None unless it folded smoothing, ``gptq --smooth``): ``--quantized``, or a GPTQ
+    run made here into the staging directory, removed once read.
 
-    The run is the command itself, in its own process, with this process's thread count: its
-    codes are those of ``cpu-quant gptq`` with the same settings (at any thread count), and its
-    peak memory, the source's layers and their Hessians, does not add to this process's, which
-    holds the float model, and goes back to the system when it ends."""
+    The run is the quantizer's library call (``quantize_checkpoint`` with
+    ``settings.gptq_settings()``, the call :func:`gptq_command` makes) in a fresh process,
+    spawned, with this process's thread count: its codes are those of ``cpu-quant gptq`` with
+    the same settings. In the exporting process they would not be, after an earlier lowering
+    there (10 of a tiny Llama's 15 linears got other codes). Its peak memory, the source's
+    layers and their Hessians, goes back to the system when it ends."""
     import shutil
-    import subprocess
+    from multiprocessing import get_context
 
     if settings.quantized is not None:
         results, qcfg = phone_weights.read_group_quants(settings.quantized)
         return results, {"origin": "gptq", "quantized": str(Path(settings.quantized).resolve()),
                          "quantization_config": qcfg}, load_factors(settings.quantized)
     target = staged.path(".gptq")
-    argv = gptq_command(src, target, settings, quiet=not progress)
-    # with progress its bars and its own error line go to this terminal
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL,
-                          stderr=None if progress else subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        last = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-        raise CpuQuantError("the GPTQ run for the 4-bit codes failed (exit "
-                            f"{proc.returncode})" + (f": {last[-1]}" if last else ""))
+    spawn = get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    proc = spawn.Process(target=run_gptq, args=(src, target, settings.gptq_settings(),
+                                                torch.get_num_threads(), progress, send))
+    proc.start()
+    send.close()
+    try:
+        error = receive.recv()
+    except EOFError:  # it died without a word (killed, out of memory)
+        proc.join()
+        error = CpuQuantError(f"it ended with exit code {proc.exitcode} and no result")
+    except KeyboardInterrupt:  # export-phone keeps nothing of a stopped run
+        proc.terminate()
+        raise
+    finally:
+        proc.join()
+    if isinstance(error, Interrupted):
+        raise KeyboardInterrupt
+    if error is not None:
+        raise CpuQuantError(f"the GPTQ run for the 4-bit codes failed: {error}")
     try:
         results, qcfg = phone_weights.read_group_quants(target)
         factors = load_factors(target)
@@ -397,15 +424,16 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
         shutil.rmtree(target, ignore_errors=True)
     return results, {"origin": "gptq", "quantized": None,
                      "gptq_run": asdict(settings.gptq_settings()),
-                     "command": ["cpu-quant", "gptq", "SRC", "OUT", *argv[6:]],
-                     "quantization_config": qcfg}, factors
+                     "command": gptq_command(settings), "quantization_config": qcfg}, factors
 
 
 def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
                    settings: PhoneExportSettings, calib_windows: list[list[int]],
-                   staged: StagedOutput, progress: bool) -> phone_weights.PhoneWeights | None:
+                   codes: tuple[dict, dict, dict | None] | None
+                   ) -> phone_weights.PhoneWeights | None:
     """The integer weights of the XNNPACK schemes (``weights``); None for fp32 and for QNN's
-    w8a16, whose weights QNN's quantizer rounds."""
+    w8a16, whose weights QNN's quantizer rounds. ``codes``: :func:`gptq_codes`' result for the
+    4-bit schemes."""
     scheme = settings.resolved_scheme
     if scheme in ("fp32", "w8a16"):
         return None
@@ -415,8 +443,7 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
         for window in calib_windows:
             runner.score(window)
 
-    results, source, factors = (gptq_codes(src, settings, staged, progress)
-                                if scheme in FOUR_BIT_SCHEMES else (None, None, None))
+    results, source, factors = codes if codes is not None else (None, None, None)
     if factors is not None:  # codes of the folded weights: the graph takes the folded norms
         source["smoothing"] = {"folded_tensors": phone_weights.fold_smoothing(model, src, factors)}
     # --calib-samples 0: no statistics, so uniform importance and no smoothing. The 4-bit
@@ -452,16 +479,19 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     from tqdm import tqdm
 
     scheme = settings.resolved_scheme
+    t = time.perf_counter()
+    codes = gptq_codes(src, settings, staged, progress) if scheme in FOUR_BIT_SCHEMES else None
+    gptq_seconds = time.perf_counter() - t
     model = load_static_lm(src, settings.max_seq_len)
     shape = settings.shape(model)
     reference = copy.deepcopy(model)
     fp32_bytes = float32_bytes(model)
-    timings["load"] = time.perf_counter() - t0
+    timings["load"] = time.perf_counter() - t0 - gptq_seconds
 
     t = time.perf_counter()
     float_scores = score_heldout(shape, (reference, reference), heldout)
-    weights = decide_weights(src, model, shape, settings, calib_windows, staged, progress)
-    timings["weights"] = time.perf_counter() - t
+    weights = decide_weights(src, model, shape, settings, calib_windows, codes)
+    timings["weights"] = time.perf_counter() - t + gptq_seconds
 
     t = time.perf_counter()
     if settings.backend == "qnn":
