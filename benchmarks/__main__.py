@@ -2,6 +2,7 @@
 
     python -m benchmarks run SUITE [--passes N] [--smoke] [--out DIR] [--workdir DIR]
                                    [--arms A,B] [--source CKPT] [--artifact ARM=DIR]
+                                   [--reference REV]
     python -m benchmarks plot RESULT.json [RESULT.json ...] [--out DIR]
     python -m benchmarks tables RESULT.json [RESULT.json ...]
     python -m benchmarks render [--check]
@@ -71,12 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     module = _load_suite(args.suite)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     workdir = Path(args.workdir).resolve() if args.workdir else (
-        gptqmodel_env._cache_root() / "bench-work" / f"{args.suite}-{stamp}")
+        gptqmodel_env.cache_root() / "bench-work" / f"{args.suite}-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
     opts = SuiteOptions(smoke=args.smoke, workdir=workdir,
                         source=Path(args.source).resolve() if args.source else None,
                         arms=args.arms.split(",") if args.arms else None,
-                        prebuilt=dict(_arm_path(a) for a in args.artifact))
+                        prebuilt=dict(_arm_path(a) for a in args.artifact),
+                        reference=args.reference)
     built = module.build(opts)
     failed = 0
     for suite in built if isinstance(built, list) else [built]:  # a suite of parts: one run each
@@ -291,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="use this already-built artifact for ARM instead of building it "
                           "(fidelity, runtime, phone, gguf; fidelity, phone and gguf check it "
                           "against the arm's settings)")
+    run.add_argument("--reference", default=None, metavar="REV",
+                     help="bit_identity: the git revision whose outputs each arm's are compared "
+                          "with (default HEAD)")
     run.set_defaults(func=cmd_run)
     plot = sub.add_parser("plot", help="draw PNG plots from result files")
     plot.add_argument("results", nargs="+")

@@ -88,9 +88,9 @@ def main() -> int:
     parser.add_argument("--extra", default="", help="extra cpu-quant gptq flags, space-separated")
     args = parser.parse_args()
 
-    from .peers.gptqmodel_env import _cache_root
+    from .peers.gptqmodel_env import cache_root
 
-    work = Path(args.workdir) if args.workdir else _cache_root() / "bench-work" / "memory_cap"
+    work = Path(args.workdir) if args.workdir else cache_root() / "bench-work" / "memory_cap"
     src = synthetic_model(work / f"depth-{args.depth}x", 30 * args.depth, smoke=False)
     model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     cap = args.cap_mib << 20

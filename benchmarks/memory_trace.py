@@ -154,7 +154,7 @@ def main() -> int:
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     if args.workdir is None:
-        args.workdir = gptqmodel_env._cache_root() / "bench-work" / "memory-trace"
+        args.workdir = gptqmodel_env.cache_root() / "bench-work" / "memory-trace"
     settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
                              batch_size=args.batch_size)
     args.workdir.mkdir(parents=True, exist_ok=True)

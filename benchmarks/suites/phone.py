@@ -254,7 +254,7 @@ def run_from_cli(smoke: bool, passes: int | None, src: Path | None, arms: list[s
     try:
         check_passes(passes, smoke)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        workdir = workdir or gptqmodel_env._cache_root() / "bench-work" / f"phone-{stamp}"
+        workdir = workdir or gptqmodel_env.cache_root() / "bench-work" / f"phone-{stamp}"
         workdir.mkdir(parents=True, exist_ok=True)
         suite = make_suite(smoke, workdir, src, arms, None, sizes)
         result, _ = run_suite(suite, passes, smoke, out, workdir)

@@ -163,7 +163,7 @@ def build(opts: SuiteOptions) -> list[Suite]:
         if opts.smoke:
             from ..peers import gptqmodel_env
 
-            src, (samples, seqlen) = smoke_model(gptqmodel_env._cache_root()), SMOKE_CALIBRATION
+            src, (samples, seqlen) = smoke_model(gptqmodel_env.cache_root()), SMOKE_CALIBRATION
         else:
             src, (samples, seqlen) = random_model_path(model), CALIBRATION[model]
         dst = opts.workdir / "artifacts" / model
