@@ -452,3 +452,25 @@ def build(opts: q.SuiteOptions) -> Suite:
         keep_artifacts="last",
     )
 
+
+
+# -- the results page ------------------------------------------------------------------------
+# runs whose rows can share a table: the same calibration and evaluation
+COMPARABLE = ("samples", "seqlen", "group", "batch_size", "calib", "eval")
+FORMATS = {"kl_mean": ".4f", "ppl_delta": "+.3f", "top1_agreement": ".3f",
+           "greedy_prefix_fraction": ".3f", "greedy_exact": ".0f", "kl_mean_w4a8": ".4f",
+           "top1_agreement_w4a8": ".3f"}
+LABELS = {"kl_mean": "KL (nats)", "ppl_delta": "ppl Δ", "top1_agreement": "top-1",
+          "greedy_prefix_fraction": "greedy prefix", "greedy_exact": "greedy exact",
+          "kl_mean_w4a8": "W4A8: KL", "top1_agreement_w4a8": "W4A8: top-1"}
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: per CPU class, each current arm's newest comparable run."""
+    from dataclasses import asdict
+
+    from ..render import merged_block
+
+    return merged_block(results, docs, "fidelity-2*.json",
+                        "python -m benchmarks run fidelity [--arms ARM,...]", COMPARABLE,
+                        [asdict(m) for m in METRICS], FORMATS, [a.name for a in ARMS], LABELS)
