@@ -147,8 +147,9 @@ def harness_block(results: Path, docs: Path, suite: str, command: str,
         meta = machine(doc)
         partial = f" ({meta['partial']})" if meta["partial"] else ""
         arms = arms or all_arms or list(doc["summary"])  # the newest file's arms
+        ran = ",".join(doc["summary"])
         run = command if list(doc["summary"]) == arms else \
-            f"{command} --arms {','.join(doc['summary'])}"
+            f"{command},{ran}" if " --arms " in command else f"{command} --arms {ran}"
         parts += [harness_table(doc, extra), "",
                   f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git "
                   f"{meta['sha'][:7]}{partial}. Command: `{run}`. Result file: "
