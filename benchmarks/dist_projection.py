@@ -51,7 +51,6 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES_PER_HOST = 32
 EFFICIENCY = 0.8  # a core's share when all 32 work (memory bandwidth, imbalance): assumed

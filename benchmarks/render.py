@@ -231,7 +231,8 @@ def merged_table(runs: list[tuple[Path, dict]], docs: Path, metrics: list[dict],
         n = max((s.get("n") or 0) for s in per.values())
         cells = [f"`{arm}`", *(_value(per.get(m["name"]), formats.get(m["name"], ".4g"))
                                for m in metrics),
-                 *(fn(arm, doc) for fn in extra.values()), str(n), meta["sha"][:7], f"[{path.name}]({os.path.relpath(path, docs)})"]
+                 *(fn(arm, doc) for fn in extra.values()), str(n), meta["sha"][:7],
+                 f"[{path.name}]({os.path.relpath(path, docs)})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

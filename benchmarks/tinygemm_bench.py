@@ -81,8 +81,7 @@ from pathlib import Path
 
 from cpu_quant.formats.gptq.vllm_kernel import KNOB_LINE as GPTQ_TINYGEMM_KNOB
 
-from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
-from .peers.gptqmodel_env import PeerInstallError
+from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"

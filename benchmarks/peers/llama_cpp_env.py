@@ -43,9 +43,9 @@ from .gptqmodel_env import (
     PeerEnv,
     PeerInstallError,
     _base_python,
-    cache_root,
     _run,
     build_staged,
+    cache_root,
     peer_main,
 )
 
