@@ -22,13 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "testing.md")
-# suite -> the module that renders its table
-RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism",
-            "eval": "benchmarks.suites.eval", "distributed": "benchmarks.suites.distributed",
-            "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory",
-            "runtime": "benchmarks.suites.runtime", "phone": "benchmarks.suites.phone",
-            "hessian_cost": "benchmarks.suites.hessian_cost",
-            "core_scaling": "benchmarks.suites.core_scaling",
+SUITES = ROOT / "benchmarks" / "suites"
+# suite -> the module that renders its table: every suite (a module of benchmarks/suites/ with a
+# ``render``), and the test tiers' timings
+RENDERED = {**{p.stem: f"benchmarks.suites.{p.stem}" for p in sorted(SUITES.glob("*.py"))
+               if "\ndef render(" in p.read_text()},
             "test-tiers": "benchmarks.test_tiers"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)
