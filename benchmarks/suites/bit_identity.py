@@ -125,11 +125,15 @@ def _arm_cells(arm: str, doc: dict) -> list[str]:
 
 def render_legacy(results: Path, docs: Path) -> str:
     """Comparisons written by the earlier standalone script: two directories' tensors."""
-    lines = ["| comparison | tensors | differing | note | result file |", "|---|---|---|---|---|"]
+    from ..render import machine
+
+    lines = ["| comparison | tensors | differing | note | machine | result file |",
+             "|---|---|---|---|---|---|"]
     for path in sorted(results.glob("bit-identity-*.json")):
         doc = json.loads(path.read_text())
+        meta = machine({"provenance": doc["provenance"]})
         lines.append(f"| {doc['label']} | {doc['tensors_a']} | {len(doc['differing'])} | "
-                     f"{' '.join(doc['notes'])} | "
+                     f"{' '.join(doc['notes'])} | {meta['cpu']} ({meta['isa']}) | "
                      f"[{path.name}]({os.path.relpath(path, docs)}) |")
     return "\n".join(lines)
 
@@ -142,9 +146,10 @@ def render(results: Path, docs: Path) -> str:
     path = newest(results, "bit_identity-2*.json", complete=True)
     legacy = render_legacy(results, docs)
     if path is None:
-        return ("No run of this suite is committed yet. Comparisons made with the earlier "
-                "script (`cpu-quant` run from two checkouts, the outputs compared tensor by "
-                "tensor):\n\n" + legacy)
+        return ("No run of this suite is committed yet (command: `python -m benchmarks run "
+                "bit_identity --reference REV`). Comparisons made with the earlier script "
+                "(`cpu-quant` run from two checkouts, the outputs compared tensor by tensor):"
+                "\n\n" + legacy)
     doc = json.loads(path.read_text())
     meta = machine(doc)
     s = doc["provenance"]["settings"]

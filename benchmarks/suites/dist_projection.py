@@ -91,12 +91,14 @@ def render(results: Path, docs: Path) -> str:
         doc = json.loads(path.read_text())
         sha = doc["provenance"]["git"]["sha"]
     measured = results / doc["input"]
+    cpu = machine(json.loads(measured.read_text())) if measured.is_file() else None
+    where = f" (measured on {cpu['cpu']} ({cpu['isa']}), {cpu['cores']} cores)" if cpu else ""
     check = "reproduces" if doc["measured"]["payload_check"]["exact"] else "does NOT reproduce"
     return "\n".join([
         projection_table(doc), "",
         f"Llama-3-8B shapes, 128 x 512 calibration tokens, hosts of "
         f"{doc['assumptions']['cores_per_host']} cores over 10 GbE. The payload model {check} "
         f"the two ranks' measured bytes per layer. Measured input: "
-        f"[{measured.name}]({os.path.relpath(measured, docs)}); git {sha[:7]}. Command: "
+        f"[{measured.name}]({os.path.relpath(measured, docs)}){where}; git {sha[:7]}. Command: "
         f"`python -m benchmarks run dist_projection`. Result file: "
         f"[{path.name}]({os.path.relpath(path, docs)})."])

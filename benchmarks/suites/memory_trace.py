@@ -93,7 +93,7 @@ def render(results: Path, docs: Path) -> str:
         meta = machine({"provenance": doc["provenance"]})
         frames = doc["peaks"][-1]["stacks"].get("MainThread", [])
         lines.append(f"| {label} | {doc['layers']} | {doc['peak_rss_anon_mib']} MiB | "
-                     f"{_where(frames)} | {meta['isa']} | {meta['sha'][:7]} | "
+                     f"{_where(frames)} | {meta['cpu']} ({meta['isa']}) | {meta['sha'][:7]} | "
                      f"[{path.name}]({os.path.relpath(path, docs)}) |")
     return "\n".join(lines + ["", "One run each, of the earlier script. Command now: "
                               "`python -m benchmarks run memory_trace`."])
