@@ -370,6 +370,7 @@ def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     assert set(ref) == {"a/x", "a/y", "b/x", "b/y"} and differences(ref, run) == {
         "only_in_reference": [], "only_in_run": [], "differing": []}
     (b / "model.gguf").write_bytes(b"GGUF")
+    save_file({"y": t["y"]}, str(b / "p2.safetensors"))
     run = output_digests(tmp_path)
     assert differences(ref, run) == {"only_in_reference": [], "only_in_run": ["b/model.gguf"],
                                      "differing": ["b/y"]}
