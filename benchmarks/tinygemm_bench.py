@@ -462,12 +462,16 @@ def _apply(made):
 def _onednn_bf16(w):
     """vLLM's own dense bf16 GEMM on CPU for the weight ``w`` [n, k]: the oneDNN handle with the
     weight prepacked that vLLM's unquantized linear method creates
-    (``dispatch_cpu_unquantized_gemm``), as a function of x; None where this build lacks it."""
+    (``dispatch_cpu_unquantized_gemm``), as a function of x; None where this build lacks it
+    or oneDNN has no bf16 matmul for this CPU (AVX2 without AVX512-BF16)."""
     from vllm import _custom_ops as ops
 
     if not getattr(ops, "_supports_onednn", False):
         return None
-    handler = ops.create_onednn_mm(w.t(), 32)
+    try:
+        handler = ops.create_onednn_mm(w.t(), 32)
+    except RuntimeError:  # "could not create a primitive descriptor for the matmul primitive"
+        return None
     return lambda x: ops.onednn_mm(handler, x, None)
 
 

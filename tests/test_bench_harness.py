@@ -471,3 +471,18 @@ def test_hessian_cost_smoke_times_every_operation_and_the_products_errors(tmp_pa
     assert doc["baseline_of"]["gram-128"] == "bf16-slabs-128"
     assert doc["baseline_of"]["blocked-128"] == "lapack-128"
     assert all(r["metrics"]["seconds"] > 0 for r in doc["records"])
+
+
+def test_dist_projection_suite_projects_from_the_committed_run(tmp_path, demo_src):
+    """The projection suite's arm runs the worker on the newest committed distributed result:
+    the payload model reproduces the measured bytes (its metric must be 0)."""
+    from benchmarks.__main__ import main as bench_main
+
+    assert bench_main(["run", "dist_projection", "--smoke", "--source", str(demo_src), "--out",
+                       str(tmp_path), "--workdir", str(tmp_path / "work")]) == 0
+    (path,) = tmp_path.glob("dist_projection-smoke-*.json")
+    doc = json.loads(path.read_text())
+    (rec,) = doc["records"]
+    assert rec["ok"] and rec["metrics"]["payload_errors"] == 0
+    assert rec["metrics"]["best_total_hours"] == min(r["total_hours"]
+                                                     for r in rec["extras"]["projection"])
