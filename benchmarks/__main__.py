@@ -7,18 +7,9 @@
     python -m benchmarks tables RESULT.json [RESULT.json ...]
     python -m benchmarks render [--check]
 
-Suites: ``quantize`` (time and memory of quantizing, cpu-quant vs GPTQModel), ``fidelity``
-(every method's artifact against the bf16 source), ``memory`` (peak RssAnon against depth and
-calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and RssAnon: bf16 vs
-GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
-tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against llama.cpp's own
-4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats) and
-``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
-``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
-architecture) and ``determinism`` (the bits of ``cpu-quant gptq``'s artifact across thread
-counts, ranks, ISA limits and the compute dtype) and ``scale`` (random models of 1B-8B shapes)
-and ``hessian_cost`` (GPTQ's exact Hessian product and blocked factor against the earlier
-arithmetic) and ``core_scaling`` (two pinned single-thread processes against one).
+Suites are the modules of ``benchmarks/suites/`` (each one's docstring says what it measures;
+``python -m benchmarks run NAME`` with an unknown NAME lists them); the top-level modules of
+``benchmarks/`` are the workers their passes run, the harness, and the renderer.
 ``render`` rewrites the results pages' tables that suites render from their newest result
 files (``benchmarks/render.py``).
 
