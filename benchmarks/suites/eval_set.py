@@ -59,7 +59,8 @@ def render(results: Path, docs: Path) -> str:
     lines = ["| arm | text | KL (nats) ± se | ppl Δ | top-1 | greedy prefix |",
              "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        lines.append(f"| `{r['arm']}` | {r['text']} | {r['kl_mean']:.4f} ± {r['kl_stderr']:.4f} | "
+        text = r["text"] if r["text"].startswith("built-in") else f"`{Path(r['text']).name}`"
+        lines.append(f"| `{r['arm']}` | {text} | {r['kl_mean']:.4f} ± {r['kl_stderr']:.4f} | "
                      f"{r['ppl_delta']:+.3f} | {r['top1_agreement']:.3f} | "
                      f"{r['greedy_prefix_fraction']:.3f} |")
     return "\n".join(lines + ["", " ".join(doc["notes"]), "",
