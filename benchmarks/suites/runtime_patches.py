@@ -39,7 +39,9 @@ def artifacts(opts: SuiteOptions) -> dict[str, Path]:
             raise HarnessError(f"--artifact {label}={path}: no config.json there")
     src = source_model(opts)
     build = [LABELS[a] for a in wanted if a not in prebuilt]
-    built = tb.build_artifacts(src.name, opts.workdir / "inputs", build, src)
+    inputs = opts.workdir / "inputs"
+    inputs.mkdir(parents=True, exist_ok=True)
+    built = tb.build_artifacts(src.name, inputs, build, src)
     return {a: prebuilt[a] if a in prebuilt else built[LABELS[a]] for a in wanted}
 
 
