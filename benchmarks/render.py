@@ -3,10 +3,14 @@
     python -m benchmarks render [--check]
 
 A page holds a suite's table between ``<!-- SUITE table: begin -->`` and
-``<!-- SUITE table: end -->``; the suite module (:data:`RENDERED`) renders it from the newest
-result file of that suite with ``render(results_dir, page_dir) -> str`` (links relative to the
-page). ``render`` rewrites every such block of the pages in :data:`PAGES`; ``--check`` only says
-which blocks differ (exit 1), as the unit test does.
+``<!-- SUITE table: end -->``; every suite module (:data:`RENDERED`) renders it from its newest
+result files with ``render(results_dir, page_dir) -> str`` (links relative to the page), naming
+the command, the CPU and the files. ``render`` rewrites every such block of the pages in
+:data:`PAGES`; ``--check`` only says which blocks differ (exit 1), as the unit test does.
+
+The helpers: :func:`harness_block` (a harness result's table: medians, ranges, ratios and
+verdicts), and for suites whose evaluation is deterministic, :func:`merged_block` (per CPU
+class, each arm's row from its newest run with the same settings, :func:`comparable_runs`).
 """
 
 from __future__ import annotations
