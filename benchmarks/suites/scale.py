@@ -298,9 +298,3 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     if q.get("machine_note"):
         lines.append(f"Note on this run: {q['machine_note']}.")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the results pages' tables, this one included
-    from ..render import main
-
-    raise SystemExit(main())
