@@ -129,8 +129,8 @@ def build(opts: SuiteOptions) -> list[Suite]:
         return [kernel_part({"smoke": smoke_model(opts.workdir / "inputs")})]
     suites = [serving_part(m, opts.workdir, arms) for m in MODELS if m in parts]
     if "kernel" in parts:
-        sources = {m: _source(m, opts.workdir) for m in MODELS
-                   if not opts.arms or f"kernel-{m}" in arms or "kernel" in opts.arms}
+        named = [m for m in MODELS if f"kernel-{m}" in arms]  # else every model's
+        sources = {m: _source(m, opts.workdir) for m in named or MODELS}
         suites.append(kernel_part(sources))
     return suites
 
