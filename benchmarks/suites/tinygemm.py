@@ -111,8 +111,12 @@ def _wanted(opts: SuiteOptions) -> tuple[list[str], list[str]]:
     if unknown:
         raise HarnessError(f"unknown part(s) or arm(s) {', '.join(unknown)}; parts: "
                            f"{', '.join(PARTS)}; arms: {', '.join(known_arms)}")
-    parts = [p for p in PARTS if p in given] or list(PARTS)
-    arms = [a for a in given if a not in PARTS] or [
+    arms_given = [a for a in given if a not in PARTS]
+    # no part named: the parts that hold the named arms (every part when none is named)
+    implied = {"kernel" if a.startswith("kernel-") else m for a in arms_given for m in MODELS}
+    parts = [p for p in PARTS if p in given or (not set(given) & set(PARTS) and p in implied)] \
+        or list(PARTS)
+    arms = arms_given or [
         a for a in (*tb.ARMS, *LLAMA_ARMS) if tb.has_amx() or a not in tb.AMX_ARMS]
     return parts, arms
 
