@@ -2,22 +2,14 @@
 
     python -m benchmarks run SUITE [--passes N] [--smoke] [--out DIR] [--workdir DIR]
                                    [--arms A,B] [--source CKPT] [--artifact ARM=DIR]
+                                   [--reference REV]
     python -m benchmarks plot RESULT.json [RESULT.json ...] [--out DIR]
     python -m benchmarks tables RESULT.json [RESULT.json ...]
     python -m benchmarks render [--check]
 
-Suites: ``quantize`` (time and memory of quantizing, cpu-quant vs GPTQModel), ``fidelity``
-(every method's artifact against the bf16 source), ``memory`` (peak RssAnon against depth and
-calibration size), ``runtime`` (vLLM decode/prefill tokens/s, engine start and RssAnon: bf16 vs
-GPTQ vs cpu_int4) and ``phone`` (ExecuTorch XNNPACK programs: .pte size, export time and
-tokens/s: fp32 vs 8da8w vs 8da4w) and ``gguf`` (cpu-quant's GGUF Q4_0 against llama.cpp's own
-4-bit types, in llama.cpp: fidelity, decode speed, and the cost of writing three formats) and
-``eval`` (the time of ``cpu-quant eval`` at its default setting on the demo model) and
-``fidelity_archs`` (the fidelity methods' held-out KL on a tiny model of every supported
-architecture) and ``determinism`` (the bits of ``cpu-quant gptq``'s artifact across thread
-counts, ranks, ISA limits and the compute dtype) and ``scale`` (random models of 1B-8B shapes)
-and ``hessian_cost`` (GPTQ's exact Hessian product and blocked factor against the earlier
-arithmetic) and ``core_scaling`` (two pinned single-thread processes against one).
+Suites are the modules of ``benchmarks/suites/`` (each one's docstring says what it measures;
+``python -m benchmarks run NAME`` with an unknown NAME lists them); the top-level modules of
+``benchmarks/`` are the workers their passes run, the harness, and the renderer.
 ``render`` rewrites the results pages' tables that suites render from their newest result
 files (``benchmarks/render.py``).
 
@@ -71,12 +63,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     module = _load_suite(args.suite)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     workdir = Path(args.workdir).resolve() if args.workdir else (
-        gptqmodel_env._cache_root() / "bench-work" / f"{args.suite}-{stamp}")
+        gptqmodel_env.cache_root() / "bench-work" / f"{args.suite}-{stamp}")
     workdir.mkdir(parents=True, exist_ok=True)
     opts = SuiteOptions(smoke=args.smoke, workdir=workdir,
                         source=Path(args.source).resolve() if args.source else None,
                         arms=args.arms.split(",") if args.arms else None,
-                        prebuilt=dict(_arm_path(a) for a in args.artifact))
+                        prebuilt=dict(_arm_path(a) for a in args.artifact),
+                        reference=args.reference)
     built = module.build(opts)
     failed = 0
     for suite in built if isinstance(built, list) else [built]:  # a suite of parts: one run each
@@ -291,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="use this already-built artifact for ARM instead of building it "
                           "(fidelity, runtime, phone, gguf; fidelity, phone and gguf check it "
                           "against the arm's settings)")
+    run.add_argument("--reference", default=None, metavar="REV",
+                     help="bit_identity: the git revision whose outputs each arm's are compared "
+                          "with (default HEAD)")
     run.set_defaults(func=cmd_run)
     plot = sub.add_parser("plot", help="draw PNG plots from result files")
     plot.add_argument("results", nargs="+")

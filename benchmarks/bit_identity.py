@@ -1,28 +1,46 @@
-"""Are two artifacts the same weights? The sha256 of every tensor, compared by name.
+"""The pass worker of the ``bit_identity`` suite (``benchmarks/suites/bit_identity.py``): runs
+one arm's command and writes the digest of every tensor it wrote.
 
-    python -m benchmarks.bit_identity A_DIR B_DIR --label NAME [--note TEXT] [--out DIR]
+    python -m benchmarks.bit_identity --arm ARM --tree TREE --src CKPT --out DIR --json OUT
+                                      [--smoke]
 
-Reads every ``*.safetensors`` file of both directories (whatever their sharding), hashes each
-tensor's bytes together with its dtype and shape, and reports the tensors only in A, only in B
-and those that differ. Result file: ``<out>/bit-identity-<label>-<UTC time>.json`` (atomic),
-with both directories' commands as given by ``--note`` and the benchmark provenance (git SHA,
-CPU, package versions). Exits 1 when any tensor differs or is missing on one side.
+The command (:data:`COMMANDS`) runs as ``python -m cpu_quant.cli ...`` from the source tree
+``TREE`` (``PYTHONPATH=TREE``, in ``DIR``): the suite's reference revision or this checkout.
+Digests
+(:func:`output_digests`): every tensor of every ``*.safetensors`` file under ``DIR`` (sha256 of
+its bytes, with its dtype and shape, keyed by the file's directory and the tensor's name,
+whatever the sharding), and the sha256 of every ``*.gguf`` and ``*.pte`` file. Output:
+``{"argv", "exit_status", "digests": {key: digest}, "digest": sha256 over all of them}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-from . import provenance
-from .harness import write_result
-
-RESULTS = Path(__file__).resolve().parent / "results"
+CLI = [sys.executable, "-m", "cpu_quant.cli"]
+# the byte-identity acceptance of the redesign (issue 42): arm -> cpu-quant arguments after
+# "SRC DST"; the calibration flags are added by the suite (defaults in a real run)
+COMMANDS = {
+    "gptq": ["gptq", "--no-eval"],
+    "formats": ["gptq", "--format", "gptq,cpu_int4,gguf", "--no-eval"],
+    "tinygemm": ["tinygemm", "--no-eval"],
+    "phone-8da4w": ["export-phone", "--backend", "xnnpack", "--scheme", "8da4w"],
+}
+# smoke: a small calibration and, for the phone program, small static shapes
+SMOKE_FLAGS = {"gptq": ["--samples", "4", "--seqlen", "64"],
+               "phone-8da4w": ["--samples", "4", "--seqlen", "64", "--max-seq-len", "48",
+                               "--prefill-len", "16", "--calib-samples", "1"]}
+FILE_SUFFIXES = (".gguf", ".pte")
 
 
 def tensor_digests(directory: Path) -> dict[str, str]:
+    """Every tensor of ``directory``'s ``*.safetensors`` files: name -> "sha256 dtype shape"."""
     import torch
     from safetensors import safe_open
 
@@ -37,6 +55,7 @@ def tensor_digests(directory: Path) -> dict[str, str]:
 
 
 def compare(a: Path, b: Path) -> dict:
+    """Two directories' tensors compared by name."""
     da, db = tensor_digests(a), tensor_digests(b)
     differ = sorted(k for k in set(da) & set(db) if da[k] != db[k])
     return {"tensors_a": len(da), "tensors_b": len(db), "only_in_a": sorted(set(da) - set(db)),
@@ -44,29 +63,67 @@ def compare(a: Path, b: Path) -> dict:
             "identical": not differ and set(da) == set(db) and bool(da)}
 
 
+def output_digests(root: Path) -> dict[str, str]:
+    """Every tensor of every safetensors directory under ``root`` (``dir/name``) and every
+    GGUF and ExecuTorch file (``path``), relative to ``root``."""
+    root = Path(root)
+    out: dict[str, str] = {}
+    for d in sorted({f.parent for f in root.rglob("*.safetensors")}):
+        rel = d.relative_to(root).as_posix()
+        out.update({f"{rel}/{name}": v for name, v in tensor_digests(d).items()})
+    for f in sorted(p for p in root.rglob("*") if p.suffix in FILE_SUFFIXES):
+        out[f.relative_to(root).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def differences(reference: dict[str, str], run: dict[str, str]) -> dict:
+    """What differs between two :func:`output_digests`: keys only on one side, and different."""
+    return {"only_in_reference": sorted(set(reference) - set(run)),
+            "only_in_run": sorted(set(run) - set(reference)),
+            "differing": sorted(k for k in set(reference) & set(run) if reference[k] != run[k])}
+
+
+def combined(digests: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+def command(arm: str, src: Path, out: Path, smoke: bool) -> list[str]:
+    first, *rest = COMMANDS[arm]
+    flags = SMOKE_FLAGS.get(arm, SMOKE_FLAGS["gptq"]) if smoke else []
+    return [*CLI, first, str(src), str(out / "output"), *rest, *flags]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bit_identity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("a", type=Path)
-    ap.add_argument("b", type=Path)
-    ap.add_argument("--label", required=True)
-    ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--arm", choices=sorted(COMMANDS), required=True)
+    ap.add_argument("--tree", type=Path, required=True, help="the source tree to run from")
+    ap.add_argument("--src", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    for d in (args.a, args.b):
-        if not d.is_dir():
-            print(f"error: {d} is not a directory", file=sys.stderr)
-            return 2
-    result = compare(args.a, args.b)
-    prov = provenance.collect({"a": str(args.a), "b": str(args.b)},
-                              {"a": args.a, "b": args.b})
-    provenance.validate(prov)
-    doc = {"suite": "bit-identity", "label": args.label, "notes": args.note, **result,
-           "provenance": prov}
-    path = write_result(args.out, f"bit-identity-{args.label}", doc)
-    print(f"{args.label}: {result['tensors_a']} vs {result['tensors_b']} tensors, "
-          f"{len(result['differing'])} differ, identical={result['identical']}; wrote {path}")
-    return 0 if result["identical"] else 1
+    if not (args.src / "config.json").is_file():
+        print(f"error: {args.src} holds no config.json", file=sys.stderr)
+        return 2
+    if not (args.tree / "cpu_quant" / "__init__.py").is_file():
+        print(f"error: {args.tree} is not a cpu-quant source tree", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    argv_run = command(args.arm, args.src.resolve(), args.out.resolve(), args.smoke)
+    env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
+    proc = subprocess.run(argv_run, stdout=subprocess.DEVNULL, cwd=args.out, env=env)
+    if proc.returncode != 0:
+        print(f"error: {' '.join(argv_run)} exited {proc.returncode}", file=sys.stderr)
+        return 1
+    digests = output_digests(args.out / "output")
+    if not digests:
+        print(f"error: {args.out / 'output'} holds no tensors", file=sys.stderr)
+        return 1
+    args.json.write_text(json.dumps({"argv": argv_run, "exit_status": proc.returncode,
+                                     "digests": digests, "digest": combined(digests)}))
+    print(f"{args.arm}: {len(digests)} digests, {combined(digests)[:12]}")
+    return 0
 
 
 if __name__ == "__main__":

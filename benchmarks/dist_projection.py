@@ -1,11 +1,12 @@
 """Project a distributed GPTQ run of an 8B Llama from the ``distributed`` suite's measurements.
 
-    python -m benchmarks.dist_projection RESULT.json [--out DIR]
+The pass worker of the ``dist_projection`` suite (``benchmarks/suites/dist_projection.py``):
+
+    python -m benchmarks.dist_projection RESULT.json --json OUT [--source CKPT]
 
 RESULT is a (complete) ``distributed`` suite result on the demo model. The projection is a
 model, and says so: every number it takes from the measurement and every assumption it adds
-is written into the output (``<out>/dist-projection-<UTC time>.json``, atomic, with the
-benchmark provenance and the input's file name).
+is written into ``OUT`` (atomic, with the input's file name).
 
 **What is measured** (the ``1-rank`` arm, one thread, median over the passes): the seconds of
 the Hessian products (the report's ``hessians`` phase), of the GPTQ sweeps (``quantize``),
@@ -47,11 +48,8 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from . import provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES_PER_HOST = 32
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dist_projection", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("result", type=Path)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--json", type=Path, required=True, help="where the projection goes")
     ap.add_argument("--source", type=Path, default=None,
                     help="the measured model's checkpoint, for its shapes (default: the path "
                          "the result names)")
@@ -273,12 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                    "net_bytes_per_s": NET_BYTES_PER_S, "local_bytes_per_s": LOCAL_BYTES_PER_S,
                    "write_bytes_per_s": WRITE_BYTES_PER_S, "max_ranks": MAX_RANKS,
                    "calibration_tokens": TOKENS, "model": asdict(LLAMA3_8B)}
-    prov = provenance.collect({"input": args.result.name, **assumptions})
-    provenance.validate(prov)
-    doc = {"suite": "dist-projection", "input": args.result.name, "measured": measured,
-           "assumptions": assumptions, "projection": rows, "provenance": prov}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"dist-projection-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    doc = {"input": args.result.name, "measured": measured, "assumptions": assumptions,
+           "projection": rows}
+    path = args.json
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)

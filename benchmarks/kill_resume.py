@@ -1,6 +1,8 @@
 """Kill a real quantization run at scripted points, resume it, and compare with an uninterrupted run.
 
-``python -m benchmarks.kill_resume [--layers 8] [--work DIR] [--out benchmarks/results]``
+The pass worker of the ``kill_resume`` suite (``benchmarks/suites/kill_resume.py``):
+
+``python -m benchmarks.kill_resume --json OUT [--layers 8] [--work DIR]``
 
 Builds a small random model (``benchmarks.suites.memory.synthetic_model``, the smoke shapes:
 hidden 64, ``--layers`` decoder layers, the demo tokenizer), quantizes it once uninterrupted,
@@ -24,9 +26,8 @@ For SIGINT and SIGTERM the hook stamps the time it sends the signal
 (``CPU_QUANT_KILL_STAMP``); ``stop_seconds`` is the time from it to the run's exit, and
 ``saved_layers`` the completed layers of the resume point the run left.
 
-The result (``benchmarks/results/kill-resume-<UTC>.json``, with provenance) lists every point
-with its exit codes, the resume's message and the outcome; the command exits 1 when any point
-failed.
+``OUT`` lists every point with its exit codes, the resume's message and the outcome; the
+worker exits 1 when any point failed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import provenance
 from .suites.memory import synthetic_model
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kill_resume", description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers of the random model")
     ap.add_argument("--work", type=Path, default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--out", type=Path, default=provenance.REPO / "benchmarks" / "results")
+    ap.add_argument("--json", type=Path, required=True, help="where the record goes")
     opts = ap.parse_args(argv)
     if opts.layers < 4:
         ap.error("--layers must be >= 4 (the kill points need a middle layer)")
@@ -218,12 +218,8 @@ def main(argv: list[str] | None = None) -> int:
               "uninterrupted": {"seconds": base_seconds, "tensors": len(baseline),
                                 "digest": hashlib.sha256(json.dumps(baseline, sort_keys=True)
                                                          .encode()).hexdigest()},
-              "points": points,
-              "provenance": provenance.collect(settings, {"source": src, "uninterrupted": base})}
-    provenance.validate(result["provenance"])
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = opts.out / f"kill-resume-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+              "points": points}
+    path = opts.json
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)

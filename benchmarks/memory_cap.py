@@ -1,6 +1,9 @@
 """Quantize a model larger than the memory the process may use, under a hard cap.
 
-``python -m benchmarks.memory_cap [--depth 8] [--cap-mib 1400] [--samples 16] [--seqlen 512]``
+The pass worker of the ``memory_cap`` suite (``benchmarks/suites/memory_cap.py``):
+
+``python -m benchmarks.memory_cap --json OUT [--depth 8] [--cap-mib 1400] [--samples 16]
+[--seqlen 512] [--workdir DIR] [--extra FLAGS]``
 
 Builds (once, cached in the work directory) a synthetic model of the demo model's layer shapes at
 ``--depth`` times its 30 layers (8x: 240 layers, 1.77 GB of bf16), then runs
@@ -13,7 +16,7 @@ exceeds it.
 RLIMIT_AS is not usable for this: it limits address space, and memory-mapping the checkpoint
 (let alone torch's own reservations) takes more address space than the cap.
 
-The result (JSON, ``benchmarks/results/memory_cap-<UTC>.json``, with provenance) records the
+``OUT`` (JSON) records the
 exit status, whether the cgroup's OOM killer fired, the cgroup's peak usage and failcnt, the
 process tree's peak RssAnon (sampled), the model's bf16 size and the wall time. Needs root (to
 create the cgroup).
@@ -29,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-from . import provenance
 from .rss import TreeRssSampler
 from .suites.memory import synthetic_model
 
@@ -77,21 +79,23 @@ class Cgroup:
             pass
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=8, help="multiple of the demo model's 30 layers")
     parser.add_argument("--cap-mib", type=int, default=1400, help="hard memory limit of the run")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--workdir", default=None, help="default: $XDG_CACHE_HOME/cpu-quant/bench-work")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--json", type=Path, required=True, help="where the record goes")
     parser.add_argument("--extra", default="", help="extra cpu-quant gptq flags, space-separated")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the smoke shapes (hidden 64)")
+    args = parser.parse_args(argv)
 
-    from .peers.gptqmodel_env import _cache_root
+    from .peers.gptqmodel_env import cache_root
 
-    work = Path(args.workdir) if args.workdir else _cache_root() / "bench-work" / "memory_cap"
-    src = synthetic_model(work / f"depth-{args.depth}x", 30 * args.depth, smoke=False)
+    work = Path(args.workdir) if args.workdir else cache_root() / "bench-work" / "memory_cap"
+    shapes = "smoke" if args.smoke else "demo"
+    src = synthetic_model(work / f"{shapes}-depth-{args.depth}x", 30 * args.depth, smoke=args.smoke)
     model_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     cap = args.cap_mib << 20
     if cap >= model_bytes:
@@ -124,14 +128,10 @@ def main() -> int:
         "rss": sampler.as_dict(),
         "cgroup": {"version": group.version, **cg},
         "stderr_tail": err[-3000:],
-        "provenance": provenance.collect(
-            {"depth": args.depth, "cap_mib": args.cap_mib, "samples": args.samples,
-             "seqlen": args.seqlen, "extra": args.extra},
-            artifacts={"source_config": src / "config.json"}),
+        "settings": {"depth": args.depth, "cap_mib": args.cap_mib, "samples": args.samples,
+                     "seqlen": args.seqlen, "extra": args.extra},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory_cap-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path = args.json
     path.write_text(json.dumps(result, indent=2) + "\n")
     peak = result["rss"].get("peak_rss_anon_bytes")
     print(f"model {model_bytes / 2**20:.0f} MiB bf16, cap {args.cap_mib} MiB: exit {proc.returncode}, "

@@ -1,9 +1,12 @@
 """Where does the peak come from? A diagnostic trace of one ``cpu-quant gptq`` run, in-process.
 
-``python -m benchmarks.memory_trace --depth 4 [--samples 8] [--seqlen 512] [--batch-size 8]
-[--interval 0.02] [--workdir DIR] [--out DIR]``
+The pass worker of the ``memory_trace`` suite (``benchmarks/suites/memory_trace.py``):
 
-``python -m benchmarks.memory_trace --model demo [--build default|plain] [--samples 128] ...``
+``python -m benchmarks.memory_trace --json OUT --depth 4 [--samples 8] [--seqlen 512]
+[--batch-size 8] [--interval 0.02] [--workdir DIR] [--smoke]``
+
+``python -m benchmarks.memory_trace --json OUT --model demo [--build default|plain]
+[--samples 128] ...``
 
 Runs the quantizer through its API (``quantize_checkpoint``) while a sampler thread reads this
 process's ``RssAnon`` every ``--interval`` seconds. The model: the memory suite's synthetic one
@@ -17,9 +20,8 @@ seen, it records the Python stack of every thread (innermost frames last) and gl
 ``mallinfo2`` (bytes in use on the heaps, free on the heaps, and in direct mmaps). It also records
 ``RssAnon`` and ``mallinfo2`` after every completed layer.
 
-This is a diagnostic, not a benchmark: one run, no arms, no passes. Its output
-(``benchmarks/results/memory-trace-<depth>x-<UTC>.json``) says which code the peak happens in,
-so that a fix can be aimed; the memory suite then measures the fix.
+A diagnostic: its output (``OUT``) says which code the peak happens in, so that a fix can be
+aimed; the memory suite then measures the fix.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from pathlib import Path
 
 from cpu_quant.core.memory import anon_rss_bytes, libc
 
-from . import provenance
 from .peers import gptqmodel_env
 from .suites.memory import REAL, synthetic_model
 
@@ -125,8 +126,9 @@ class Tracer:
         self._thread.join()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_trace",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("synthetic", "demo"), default="synthetic")
     ap.add_argument("--build", choices=("default", "plain"), default=None,
                     help="with --model demo: the fidelity suite's build (default: default)")
@@ -139,8 +141,9 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where the synthetic model and the artifact go (default: "
                          "$XDG_CACHE_HOME/cpu-quant/bench-work/memory-trace)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = ap.parse_args()
+    ap.add_argument("--json", type=Path, required=True, help="where the trace goes")
+    ap.add_argument("--smoke", action="store_true", help="the synthetic model's smoke shapes")
+    args = ap.parse_args(argv)
     if args.build is not None and args.model != "demo":
         ap.error("--build applies to --model demo only")
     if args.samples is None:
@@ -154,7 +157,7 @@ def main() -> int:
     from cpu_quant.quantize.pipeline import QuantSettings, quantize_checkpoint
 
     if args.workdir is None:
-        args.workdir = gptqmodel_env._cache_root() / "bench-work" / "memory-trace"
+        args.workdir = gptqmodel_env.cache_root() / "bench-work" / "memory-trace"
     settings = QuantSettings(group_size=REAL["group"], samples=args.samples, seqlen=args.seqlen,
                              batch_size=args.batch_size)
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -167,15 +170,16 @@ def main() -> int:
         layers = REAL["base_layers"]
     else:
         layers = REAL["base_layers"] * args.depth
-        src = synthetic_model(args.workdir / "inputs" / f"depth-{args.depth}x", layers, smoke=False)
+        shapes = "smoke" if args.smoke else "demo"
+        src = synthetic_model(args.workdir / "inputs" / f"{shapes}-depth-{args.depth}x", layers,
+                              smoke=args.smoke)
         label = f"{args.depth}x"
     dst = args.workdir / f"trace-{label}"
     with Tracer(args.interval) as tracer:
         report = quantize_checkpoint(src, dst, settings, overwrite=True,
                                      progress=False, on_layer=tracer.on_layer)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     result = {
-        "kind": "diagnostic trace (one run, not a benchmark: no arms, no passes)",
+        "kind": "diagnostic trace of one run", "label": label,
         "what": "RssAnon of this process every interval; at each new maximum (rising >= 4 MiB) the "
                 "Python stacks of all threads and glibc mallinfo2; RssAnon and mallinfo2 after "
                 "every layer",
@@ -187,10 +191,8 @@ def main() -> int:
         "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "peak_rss_anon_mib": tracer.peak >> 20,
         "peaks": tracer.peaks, "layers_after": tracer.layers, "rss_anon_mib_series": tracer.series,
-        "provenance": provenance.collect(vars(args) | {"workdir": str(args.workdir), "out": str(args.out)}),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"memory-trace-{label}-{stamp}.json"
+    path = args.json
     path.write_text(json.dumps(result, indent=1) + "\n")
     last = tracer.peaks[-1]
     print(f"{path}: peak RssAnon {tracer.peak >> 20} MiB at {last['t']} s; MainThread at the peak:")

@@ -1,27 +1,19 @@
-"""Phone programs on this CPU: .pte size, export time and tokens/s through ExecuTorch's
-Python runtime, for XNNPACK fp32 vs 8da8w vs 8da4w, and QNN's w8a16 and 16a4w programs on
-ExecuTorch's portable kernels (without the Qualcomm SDK: not the HTP).
+"""The pass workers of the ``phone`` suite (``benchmarks/suites/phone.py``): one export, or one
+measurement of an exported program, through ExecuTorch's Python runtime.
 
-    python -m benchmarks.phone_bench [--src CKPT] [--passes 3] [--smoke] [--arms A,B]
-                                     [--max-seq-len 128] [--prefill-len 64] [--prompt-tokens 64]
-                                     [--gen-tokens 32] [--verify-windows 4] [--workdir DIR]
-                                     [--out DIR]
+    python -m benchmarks.phone_bench export --src CKPT --out DIR --scheme ARM [SIZES]
+    python -m benchmarks.phone_bench measure --src CKPT --pte PTE --record F [SIZES]
 
-The same measurement as ``python -m benchmarks run phone`` (the harness suite
-``benchmarks/suites/phone.py``: arms interleaved with the order rotated every pass, >= 3 passes
-unless ``--smoke``, median and spread, per-pass ratios against fp32, failures recorded,
-provenance), with the export and runtime sizes as flags. This module also holds the two
-subprocess steps the suite runs:
+``export``   one export with ``cpu_quant.export.pipeline.export_phone`` (the scheme's backend,
+             verification included) into DIR: the arm's one-off build, whose wall time and peak
+             RssAnon the harness records
+``measure``  one pass: load the program, prefill a fixed held-out prompt through ``prefill``
+             and greedily decode ``--gen-tokens`` tokens through ``decode`` (the same host loop
+             as verification); writes tokens/s to F
 
-``--export OUT --scheme S``   one export with ``cpu_quant.export.pipeline.export_phone``
-                              (the scheme's backend, verification included) into OUT: the arm's one-off build,
-                              whose wall time and peak RssAnon the harness records
-``--measure PTE --record F``  one pass: load the program, prefill a fixed held-out prompt
-                              through ``prefill`` and greedily decode ``--gen-tokens`` tokens
-                              through ``decode`` (the same host loop as verification); writes
-                              tokens/s to F (stdout without ``--record``)
-
-Result: ``benchmarks/results/phone[-smoke]-<UTC time>.json``.
+SIZES are the suite's settings as flags (``--max-seq-len``, ``--prefill-len``,
+``--prompt-tokens``, ``--gen-tokens``, ``--verify-windows``, ``--gptq-samples``,
+``--gptq-seqlen``), all required: the suite passes every one.
 """
 
 from __future__ import annotations
@@ -95,64 +87,34 @@ def export(src: Path, out: Path, arm: str, max_seq_len: int, prefill_len: int,
     return export_phone(src, out, settings, overwrite=True, progress=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .suites import phone
+SIZES = ("max_seq_len", "prefill_len", "prompt_tokens", "gen_tokens", "verify_windows",
+         "gptq_samples", "gptq_seqlen")
 
-    real = phone.REAL
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--src", default=None,
-                    help="checkpoint (default: the demo model; --smoke: a tiny random Llama)")
-    ap.add_argument("--passes", type=int, default=None, help="default 3 (1 with --smoke)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="the suite's smoke settings (tiny model, one pass, no verdicts)")
-    ap.add_argument("--arms", default=None, help=f"comma-separated subset of {','.join(ARMS)}")
-    ap.add_argument("--max-seq-len", type=int, default=None,
-                    help=f"static KV-cache length (default {real['max_seq_len']})")
-    ap.add_argument("--prefill-len", type=int, default=None,
-                    help=f"tokens per prefill call (default {real['prefill_len']})")
-    ap.add_argument("--prompt-tokens", type=int, default=None,
-                    help=f"prompt prefilled per pass (default {real['prompt_tokens']})")
-    ap.add_argument("--gen-tokens", type=int, default=None,
-                    help=f"tokens decoded per pass (default {real['gen_tokens']})")
-    ap.add_argument("--verify-windows", type=int, default=None,
-                    help="held-out windows the export's own verification scores (default "
-                         f"{real['verify_windows']}; fewer only shortens the verify stage)")
-    ap.add_argument("--gptq-samples", type=int, default=None,
-                    help="calibration windows of the 4-bit schemes' GPTQ run (default "
-                         f"{real['gptq_samples']})")
-    ap.add_argument("--gptq-seqlen", type=int, default=None,
-                    help=f"tokens per GPTQ calibration window (default {real['gptq_seqlen']})")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--export", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--scheme", default=None, choices=ARMS, help=argparse.SUPPRESS)
-    ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.phone_bench",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()))
+    sub = ap.add_subparsers(dest="step", required=True)
+    exp = sub.add_parser("export")
+    exp.add_argument("--out", type=Path, required=True)
+    exp.add_argument("--scheme", choices=ARMS, required=True)
+    mea = sub.add_parser("measure")
+    mea.add_argument("--pte", type=Path, required=True)
+    mea.add_argument("--record", type=Path, required=True)
+    for p in (exp, mea):
+        p.add_argument("--src", type=Path, required=True)
+        for key in SIZES:
+            p.add_argument(f"--{key.replace('_', '-')}", type=int, required=True)
     args = ap.parse_args(argv)
-    sizes = {k: getattr(args, k) for k in real if getattr(args, k, None) is not None}
-    if args.export or args.measure:
-        if args.src is None:
-            ap.error("--export and --measure need --src")
-        s = {**real, **sizes}
-        if args.export:
-            if args.scheme is None:
-                ap.error("--export needs --scheme")
-            export(Path(args.src), Path(args.export), args.scheme, s["max_seq_len"],
-                   s["prefill_len"], s["verify_windows"],
-                   {"gptq_samples": s["gptq_samples"], "gptq_seqlen": s["gptq_seqlen"]})
-            return 0
-        rec = measure(Path(args.measure), Path(args.src), s["max_seq_len"], s["prefill_len"],
-                      s["prompt_tokens"], s["gen_tokens"])
-        if args.record:
-            Path(args.record).write_text(json.dumps(rec) + "\n")
-        else:
-            print(json.dumps(rec))
+    if args.step == "export":
+        export(args.src, args.out, args.scheme, args.max_seq_len, args.prefill_len,
+               args.verify_windows,
+               {"gptq_samples": args.gptq_samples, "gptq_seqlen": args.gptq_seqlen})
         return 0
-    return phone.run_from_cli(smoke=args.smoke, passes=args.passes,
-                              src=Path(args.src).resolve() if args.src else None,
-                              arms=args.arms.split(",") if args.arms else None,
-                              sizes=sizes, out=Path(args.out),
-                              workdir=Path(args.workdir).resolve() if args.workdir else None)
+    rec = measure(args.pte, args.src, args.max_seq_len, args.prefill_len, args.prompt_tokens,
+                  args.gen_tokens)
+    args.record.write_text(json.dumps(rec) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
     python -m benchmarks render [--check]
 
 A page holds a suite's table between ``<!-- SUITE table: begin -->`` and
-``<!-- SUITE table: end -->``; the suite module (:data:`RENDERED`) renders it from the newest
-result file of that suite with ``render(results_dir, page_dir) -> str`` (links relative to the
-page). ``render`` rewrites every such block of the pages in :data:`PAGES`; ``--check`` only says
-which blocks differ (exit 1), as the unit test does.
+``<!-- SUITE table: end -->``; every suite module (:data:`RENDERED`) renders it from its newest
+result files with ``render(results_dir, page_dir) -> str`` (links relative to the page), naming
+the command, the CPU and the files. ``render`` rewrites every such block of the pages in
+:data:`PAGES`; ``--check`` only says which blocks differ (exit 1), as the unit test does.
+
+The helpers: :func:`harness_block` (a harness result's table: medians, ranges, ratios and
+verdicts), and for suites whose evaluation is deterministic, :func:`merged_block` (per CPU
+class, each arm's row from its newest run with the same settings, :func:`comparable_runs`).
 """
 
 from __future__ import annotations
@@ -22,13 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGES = (ROOT / "docs" / "results.md", ROOT / "docs" / "testing.md")
-# suite -> the module that renders its table
-RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suites.determinism",
-            "eval": "benchmarks.suites.eval", "distributed": "benchmarks.suites.distributed",
-            "quantize": "benchmarks.suites.quantize", "memory": "benchmarks.suites.memory",
-            "runtime": "benchmarks.suites.runtime", "phone": "benchmarks.suites.phone",
-            "hessian_cost": "benchmarks.suites.hessian_cost",
-            "core_scaling": "benchmarks.suites.core_scaling",
+SUITES = ROOT / "benchmarks" / "suites"
+# suite -> the module that renders its table: every suite (a module of benchmarks/suites/ with a
+# ``render``), and the test tiers' timings
+RENDERED = {**{p.stem: f"benchmarks.suites.{p.stem}" for p in sorted(SUITES.glob("*.py"))
+               if "\ndef render(" in p.read_text()},
             "test-tiers": "benchmarks.test_tiers"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)
@@ -56,8 +58,11 @@ def machine(doc: dict) -> dict:
         return {"cpu": prov["cpu"]["model"], "isa": isa(prov["cpu"]),
                 "cores": prov["threads"]["cpu_count"], "sha": prov["git"]["sha"], "partial": None}
     done = max((r["pass_index"] for r in doc["records"]), default=0) + 1
-    cpu = doc["machine"]["cpu"]
-    return {"cpu": cpu["model"], "isa": isa(cpu), "cores": doc["machine"]["threads"]["cpu_count"],
+    # partial files of the first harness versions record no machine
+    recorded = doc.get("machine") or {"cpu": {"model": "CPU not recorded"},
+                                      "threads": {"cpu_count": "?"}}
+    cpu = recorded["cpu"]
+    return {"cpu": cpu["model"], "isa": isa(cpu), "cores": recorded["threads"]["cpu_count"],
             "sha": doc["git_at_start"]["sha"],
             "partial": f"a partial run: {done} of {doc['passes']} passes"}
 
@@ -67,6 +72,8 @@ def isa(cpu: dict) -> str:
     or AVX2."""
     flags = cpu.get("flags", [])
     flags = set(flags.split() if isinstance(flags, str) else flags)
+    if not flags:
+        return "flags not recorded"
     if "amx_tile" in flags:
         return "AMX"
     if "avx512f" in flags:
@@ -142,12 +149,112 @@ def harness_block(results: Path, docs: Path, suite: str, command: str,
         meta = machine(doc)
         partial = f" ({meta['partial']})" if meta["partial"] else ""
         arms = arms or all_arms or list(doc["summary"])  # the newest file's arms
+        ran = ",".join(doc["summary"])
         run = command if list(doc["summary"]) == arms else \
-            f"{command} --arms {','.join(doc['summary'])}"
+            f"{command},{ran}" if " --arms " in command else f"{command} --arms {ran}"
         parts += [harness_table(doc, extra), "",
                   f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git "
                   f"{meta['sha'][:7]}{partial}. Command: `{run}`. Result file: "
                   f"[{path.name}]({os.path.relpath(path, docs)}).", ""]
+    return "\n".join(parts[:-1])
+
+
+def summary_of(doc: dict, metrics: list[dict]) -> dict[str, dict[str, dict]]:
+    """A result file's per-arm statistics: its summary, or for a partial file the statistics
+    of the passes it holds (``metrics``: the suite's, as dicts of name, unit, better)."""
+    from dataclasses import asdict
+
+    from .harness import Metric, stats
+
+    if doc.get("summary"):
+        return doc["summary"]
+    passes = max((r["pass_index"] for r in doc["records"]), default=0) + 1
+    out: dict[str, dict[str, dict]] = {}
+    for arm in doc["arms"]:
+        by_pass = {r["pass_index"]: r for r in doc["records"] if r["arm"] == arm}
+        out[arm] = {m["name"]: asdict(stats(Metric(**m), [
+            by_pass[p]["metrics"].get(m["name"]) if p in by_pass and by_pass[p]["ok"] else None
+            for p in range(passes)])) for m in metrics}
+    return out
+
+
+def _value(s: dict, fmt: str) -> str:
+    if not s or not s.get("n"):
+        return "—"
+    text = format(s["median"], fmt)
+    return text if s["spread"] == 0 else f"{text} [{format(s['min'], fmt)}–{format(s['max'], fmt)}]"
+
+
+def comparable_runs(results: Path, pattern: str, keys: tuple[str, ...],
+                    partial: bool = False) -> list[list[tuple[Path, dict]]]:
+    """The result files of ``pattern``, grouped by CPU class (:func:`isa`), newest class
+    first; in each class the newest file, then the older complete files whose settings agree
+    with it on ``keys`` (runs whose rows can stand in one table). ``partial``: a partial file
+    may be a class's newest."""
+    groups: dict[str, list[tuple[Path, dict]]] = {}
+    files = sorted(results.glob(pattern), key=lambda p: p.name.split("-")[-1][:16], reverse=True)
+    for path in files:
+        doc = json.loads(path.read_text())
+        is_partial = not doc.get("complete", True)
+        if is_partial and not (partial and doc.get("records")):
+            continue
+        group = groups.setdefault(isa(_cpu(doc)), [])
+        if not group:
+            group.append((path, doc))
+            continue
+        if is_partial or not group[0][1].get("provenance"):
+            continue
+        first = group[0][1]["provenance"]["settings"]
+        settings = doc["provenance"]["settings"]
+        if all(settings.get(k) == first.get(k) for k in keys):
+            group.append((path, doc))
+    return list(groups.values())
+
+
+def merged_table(runs: list[tuple[Path, dict]], docs: Path, metrics: list[dict],
+                 formats: dict[str, str], arm_order: list[str] | None = None,
+                 label: dict[str, str] | None = None, extra: dict | None = None) -> str:
+    """One row per arm from the newest of ``runs`` that measured it (arms limited to and
+    ordered by ``arm_order`` when given): each metric's median (and [min–max] when the passes
+    differ), the passes, the git commit and the result file."""
+    rows: dict[str, tuple[Path, dict, dict]] = {}
+    for path, doc in runs:
+        for arm, per in summary_of(doc, metrics).items():
+            rows.setdefault(arm, (path, doc, per))
+    order = [a for a in (arm_order or rows) if a in rows]
+    names = {**LABELS, **(label or {})}
+    extra = extra or {}
+    head = ["arm", *(names.get(m["name"], m["name"]) for m in metrics), *extra, "passes", "git",
+            "result file"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in order:
+        path, doc, per = rows[arm]
+        meta = machine(doc)
+        n = max((s.get("n") or 0) for s in per.values())
+        cells = [f"`{arm}`", *(_value(per.get(m["name"]), formats.get(m["name"], ".4g"))
+                               for m in metrics),
+                 *(fn(arm, doc) for fn in extra.values()), str(n), meta["sha"][:7],
+                 f"[{path.name}]({os.path.relpath(path, docs)})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def merged_block(results: Path, docs: Path, pattern: str, command: str, keys: tuple[str, ...],
+                 metrics: list[dict], formats: dict[str, str], arm_order: list[str] | None = None,
+                 label: dict[str, str] | None = None, partial: bool = False,
+                 extra: dict | None = None) -> str:
+    """Per CPU class, :func:`merged_table` of :func:`comparable_runs`, with the machine and
+    the command (``extra``: column title -> function(arm, doc) -> cell)."""
+    parts = []
+    for runs in comparable_runs(results, pattern, keys, partial):
+        meta = machine(runs[0][1])
+        partial_note = f" The newest is {meta['partial']}." if meta["partial"] else ""
+        parts += [merged_table(runs, docs, metrics, formats, arm_order, label, extra), "",
+                  f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores. Each row is "
+                  f"the newest run of that arm on this CPU class with the same settings "
+                  f"({', '.join(keys)}).{partial_note} Command: `{command}`.", ""]
+    if not parts:
+        return "Not measured yet: no result file of this suite is committed."
     return "\n".join(parts[:-1])
 
 

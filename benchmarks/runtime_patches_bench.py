@@ -1,14 +1,9 @@
-"""Benchmark of cpu_quant.runtime_patches: vLLM engine start (cold and warm compile cache) and
-RssAnon after start-up, stock vs patched, on the demo model's artifacts.
+"""The pass worker of the ``runtime_patches`` suite (``benchmarks/suites/runtime_patches.py``):
+vLLM engine start (cold and warm compile cache) and RssAnon after start-up, stock vs patched.
 
-    python -m benchmarks.runtime_patches_bench [--artifact LABEL=DIR ...] [--passes N]
-                                               [--smoke] [--out DIR] [--workdir DIR]
+    python -m benchmarks.runtime_patches_bench one-pass MODEL OUT.json
 
-One suite per artifact (default: ``bf16`` = the demo model, plus ``gptq`` = /tmp/q_gptq_small
-when it exists; ``--artifact`` replaces the defaults, e.g. ``--artifact int4=DIR`` for a
-``cpu_int4`` artifact), run by ``benchmarks.harness`` (interleaved A B / B A with the order
-rotated each pass, >= 3 passes, median and spread, paired B/A ratios, failures recorded,
-provenance: git SHA, package versions, artifact path + sha256, threads, CPU model).
+The suite runs one harness suite per artifact (``runtime_patches-LABEL``), its arms below.
 
 Arms, differing only in ``VLLM_PLUGINS`` (the A/B switch the plugin promises):
 
@@ -40,9 +35,6 @@ Each pass checks that its knob is connected (MEASURING.md rule 4), from the engi
 lines (``cpu_quant patch <name>: <status>``): the patched arm must have every patch applied, the
 stock arm no plugin line, the patches-off arm every patch off; whether the warm start loaded the
 AOT artifact or compiled again is recorded as an extra.
-
-This script uses the shared harness (benchmarks/harness.py); it is not registered as a
-``python -m benchmarks run`` suite because suites/ belongs to the harness owner.
 """
 
 from __future__ import annotations
@@ -52,15 +44,12 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
-from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
+from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_GPTQ = Path("/tmp/q_gptq_small")
 KV_BYTES = 128 << 20
 ENGINE_TIMEOUT_S = 1800
 PASS_TIMEOUT_S = 2 * ENGINE_TIMEOUT_S + 60
@@ -204,46 +193,17 @@ def build_suite(label: str, model: Path) -> Suite:
     )
 
 
-def default_artifacts() -> dict[str, Path]:
-    from cpu_quant.models.demo import demo_model_path
-
-    found = {"bf16": demo_model_path()}
-    if (DEFAULT_GPTQ / "config.json").is_file():
-        found["gptq"] = DEFAULT_GPTQ
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["one-pass"]:
-        one_pass(argv[1], Path(argv[2]))
-        return 0
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifact", action="append", default=[], metavar="LABEL=DIR")
-    parser.add_argument("--passes", type=int, default=None)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args(argv)
-    artifacts = default_artifacts() if not args.artifact else {
-        a.split("=", 1)[0]: Path(a.split("=", 1)[1]) for a in args.artifact}
-    for label, path in artifacts.items():
-        if not (path / "config.json").is_file():
-            parser.error(f"--artifact {label}={path}: no config.json there")
-    passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    failed = 0
-    for label, model in artifacts.items():
-        workdir = Path(args.workdir or f"/tmp/cpu-quant-bench/runtime_patches-{stamp}") / label
-        workdir.mkdir(parents=True, exist_ok=True)
-        try:
-            result, _ = run_suite(build_suite(label, model), passes, args.smoke, Path(args.out),
-                                  workdir)
-        except HarnessError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        failed += result["failed_passes"]
-    return 1 if failed else 0
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.runtime_patches_bench",
+                                 description="one pass of the runtime_patches suite: two engine "
+                                             "starts, cold and warm")
+    sub = ap.add_subparsers(dest="mode", required=True)
+    one = sub.add_parser("one-pass")
+    one.add_argument("model")
+    one.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    one_pass(args.model, args.out)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
-"""Serving benchmark: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
+"""Serving measurements: vLLM decode and prefill speed and memory, bf16 vs GPTQ vs cpu_int4.
 
-    python -m benchmarks.tinygemm_bench [--models demo,qwen05b] [--passes N] [--smoke]
-                                        [--decode-tokens N] [--out DIR] [--workdir DIR]
-                                        [--eager] [--arms A,B] [--llama-cpp TYPES]
-    python -m benchmarks.tinygemm_bench kernel [--models demo,qwen05b] [--threads N] [--out DIR]
+The pass workers of the ``runtime`` and ``tinygemm`` suites (``benchmarks/suites/``):
 
-One harness suite per model (``benchmarks/harness.py``: arms interleaved with the order rotated
-every pass, >= 3 passes, median and spread, per-pass ratios to the ``bf16`` arm, failures
-recorded, provenance with artifact sha256). Arms:
+    python -m benchmarks.tinygemm_bench one-pass MODEL OUT.json DECODE_TOKENS [--prompt-len N]
+                                                 [--eager]
+    python -m benchmarks.tinygemm_bench kernel NAME CKPT OUT.json [--threads N]
+
+The suites' arms (one harness suite per model, baseline ``bf16``):
 
 ``bf16``      the source checkpoint (vLLM's unquantized CPU GEMM)
 ``gptq``      ``cpu-quant gptq`` layout as users serve it: the cpu_quant plugin installed, no
@@ -67,7 +66,7 @@ kernel against the
 dequantize path at M from 8 to 256, the measurement behind the kernel table's threshold. Set
 beside the measured step time (1 / decode tok/s, 512 / prefill tok/s) of the suites, it splits
 a step into the linears' share and the rest (attention, norms, sampling, vLLM's per-step
-overhead). Written to ``benchmarks/results/tinygemm-kernel-<stamp>.json`` with provenance.
+overhead).
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ from pathlib import Path
 
 from cpu_quant.formats.gptq.vllm_kernel import KNOB_LINE as GPTQ_TINYGEMM_KNOB
 
-from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite, run_suite
-from .peers.gptqmodel_env import PeerInstallError
+from .harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -115,9 +113,9 @@ def default_gptq_knob(w4a8: bool = True) -> str:
 
 
 def has_amx() -> bool:
-    import torch
+    from cpu_quant.core.cpu import local_cpu
 
-    return bool(torch.cpu._is_amx_tile_supported())
+    return local_cpu().amx
 
 
 KNOBS = {"cpu_int4": "cpu_int4: tinygemm kernel layout",
@@ -292,7 +290,7 @@ def memory_attribution(llm) -> dict:
 
 
 # -- artifacts ------------------------------------------------------------------------------------
-def _random_qwen(dst: Path) -> Path:
+def random_qwen(dst: Path) -> Path:
     import shutil
 
     import torch
@@ -354,7 +352,7 @@ def build_artifacts(model: str, workdir: Path, arms: tuple[str, ...] | list[str]
     if unknown:
         raise ValueError(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
     if src is None:
-        src = demo_model_path() if model == "demo" else _random_qwen(workdir / "qwen05b-bf16")
+        src = demo_model_path() if model == "demo" else random_qwen(workdir / "qwen05b-bf16")
 
     def artifact(arm: str) -> Path:
         arm = SAME_ARTIFACT.get(arm, arm)
@@ -464,12 +462,16 @@ def _apply(made):
 def _onednn_bf16(w):
     """vLLM's own dense bf16 GEMM on CPU for the weight ``w`` [n, k]: the oneDNN handle with the
     weight prepacked that vLLM's unquantized linear method creates
-    (``dispatch_cpu_unquantized_gemm``), as a function of x; None where this build lacks it."""
+    (``dispatch_cpu_unquantized_gemm``), as a function of x; None where this build lacks it
+    or oneDNN has no bf16 matmul for this CPU (AVX2 without AVX512-BF16)."""
     from vllm import _custom_ops as ops
 
     if not getattr(ops, "_supports_onednn", False):
         return None
-    handler = ops.create_onednn_mm(w.t(), 32)
+    try:
+        handler = ops.create_onednn_mm(w.t(), 32)
+    except RuntimeError:  # "could not create a primitive descriptor for the matmul primitive"
+        return None
     return lambda x: ops.onednn_mm(handler, x, None)
 
 
@@ -560,7 +562,7 @@ def kernel_attribution(model: str, src: Path) -> dict:
     def dequantize_path(xk, packed, storage, g, gemm, fused=configured_fused):
         rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = gemm, fused
         try:
-            return rt._dequantize_matmul(xk, packed, storage, g)
+            return rt.dequantize_matmul(xk, packed, storage, g)
         finally:
             rt.PREFILL_GEMM, rt.FUSED_DEQUANTIZE = configured, configured_fused
 
@@ -600,44 +602,20 @@ def kernel_attribution(model: str, src: Path) -> dict:
             "first_rows_where_dequantize_wins": crossover}
 
 
-def kernel_main(argv: list[str]) -> int:
-    from .provenance import collect, validate
+def kernel_pass(model: str, src: Path, out: Path, threads: int | None) -> dict:
+    """The worker of the ``tinygemm`` suite's kernel part: :func:`kernel_attribution` of
+    ``src``'s shapes in this process, written to ``out``."""
+    import torch
 
-    parser = argparse.ArgumentParser(prog="tinygemm_bench kernel")
-    parser.add_argument("--models", default="demo,qwen05b")
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--workdir", default="/tmp/cpu-quant-bench/tinygemm-kernel")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: every core, as vLLM binds them). On a "
-                             "shared machine one thread keeps the timings apart from other "
-                             "jobs: a parallel region waits for its slowest thread")
-    args = parser.parse_args(argv)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    from cpu_quant.models.demo import demo_model_path
-
-    results, inputs = [], {}
-    for model in args.models.split(","):
-        src = demo_model_path() if model == "demo" else _random_qwen(Path(args.workdir) /
-                                                                     "qwen05b-bf16")
-        inputs[model] = src
-        r = kernel_attribution(model, src)
-        print(f"{model}: linears per step (ms): {r['linears_ms_per_step']}", file=sys.stderr)
-        results.append(r)
-    prov = collect({"models": args.models, "m_rows": list(ROWS), "reps": {"1": 50, "512": 5},
-                    "sweep_rows": list(SWEEP_ROWS), "statistic": "median",
-                    "threads": args.threads or "all"},
-                   inputs)
-    validate(prov)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    out = Path(args.out) / f"tinygemm-kernel-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"suite": "tinygemm-kernel", "results": results,
-                               "provenance": prov}, indent=2) + "\n")
-    print(out)
-    return 0
+    if threads is not None:
+        torch.set_num_threads(threads)
+    result = kernel_attribution(model, src)
+    result["settings"] = {"m_rows": list(ROWS), "reps": {"1": 50, "512": 5},
+                          "sweep_rows": list(SWEEP_ROWS), "statistic": "median",
+                          "threads": threads or "all"}
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{model}: linears per step (ms): {result['linears_ms_per_step']}", file=sys.stderr)
+    return result
 
 
 # -- the suite ------------------------------------------------------------------------------------
@@ -750,72 +728,28 @@ def build_suite(model: str, artifacts: dict[str, Path], decode_tokens: int, eage
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["one-pass"]:
-        rest = argv[4:]
-        prompt_len = int(rest[rest.index("--prompt-len") + 1]) if "--prompt-len" in rest \
-            else PROMPT_LEN
-        one_pass(argv[1], Path(argv[2]), int(argv[3]), "--eager" in rest, prompt_len)
-        return 0
-    if argv[:1] == ["kernel"]:
-        return kernel_main(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="demo,qwen05b")
-    parser.add_argument("--passes", type=int, default=None)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
-    parser.add_argument("--arms", default=None,
-                        help=f"vLLM arms to measure, comma-separated (default: all of {ARMS}, "
-                             f"{', '.join(AMX_ARMS)} only where the CPU has AMX)")
-    parser.add_argument("--llama-cpp", default="", metavar="TYPES",
-                        help="also measure llama.cpp (llama-cpp-python, built into a peer venv "
-                             "when missing) on the same model quantized to these GGUF types, "
-                             "e.g. q4_0,q4_k_m")
-    parser.add_argument("--out", default=str(RESULTS))
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args(argv)
-    passes = args.passes if args.passes is not None else (1 if args.smoke else 3)
-    from .peers.llama_cpp_env import FTYPES
-
-    bad = [t for t in args.llama_cpp.split(",") if t and t not in FTYPES]
-    if bad:  # before minutes of quantization
-        parser.error(f"unknown llama.cpp type(s) {', '.join(bad)}; known: {', '.join(FTYPES)}")
-    arms = ([a for a in args.arms.split(",") if a] if args.arms is not None else
-            [a for a in ARMS if has_amx() or a not in AMX_ARMS])
-    if not arms or set(arms) - set(ARMS):
-        parser.error(f"--arms takes some of {', '.join(ARMS)}, got {args.arms!r}")
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    root = Path(args.workdir or f"/tmp/cpu-quant-bench/tinygemm-{stamp}")
-    failed = 0
-    for model in args.models.split(","):
-        if model not in ("demo", "qwen05b"):
-            parser.error(f"unknown model {model!r} (demo, qwen05b)")
-        workdir = root / model
-        workdir.mkdir(parents=True, exist_ok=True)
-        artifacts = build_artifacts(model, root, arms)
-        try:
-            extra, peer = [], None
-            if args.llama_cpp:
-                from cpu_quant.models.demo import demo_model_path
-
-                src = demo_model_path() if model == "demo" else root / "qwen05b-bf16"
-                extra, peer = llama_arms(src, root / "gguf", args.llama_cpp.split(","),
-                                         args.decode_tokens)
-            suite = build_suite(model, artifacts, args.decode_tokens, args.eager, extra_arms=extra)
-            if peer:
-                suite.settings["llama_cpp_peer"] = peer
-                suite.notes.append("llama.cpp arms: the bf16 checkpoint converted by llama.cpp's "
-                                   "convert_hf_to_gguf.py and quantized by llama_model_quantize "
-                                   "(benchmarks/peers/llama_cpp_env.py); weights memory-mapped, "
-                                   "so RssAnon excludes them")
-            result, path = run_suite(suite, passes, args.smoke, Path(args.out), workdir)
-        except (HarnessError, ValueError, PeerInstallError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"{model}: {path}", file=sys.stderr)
-        failed += result["failed_passes"]
-    return 1 if failed else 0
+    """The pass workers of the ``runtime`` and ``tinygemm`` suites."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tinygemm_bench",
+                                 description=main.__doc__)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    one = sub.add_parser("one-pass", help="one engine start and its measurements")
+    one.add_argument("model")
+    one.add_argument("out", type=Path)
+    one.add_argument("decode_tokens", type=int)
+    one.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    one.add_argument("--eager", action="store_true")
+    ker = sub.add_parser("kernel", help="the linears of one step, path by path")
+    ker.add_argument("model", help="a name for the shapes (demo, qwen05b, ...)")
+    ker.add_argument("src", type=Path, help="the checkpoint whose config gives the shapes")
+    ker.add_argument("out", type=Path)
+    ker.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: every core, as vLLM binds them)")
+    args = ap.parse_args(argv)
+    if args.mode == "one-pass":
+        one_pass(args.model, args.out, args.decode_tokens, args.eager, args.prompt_len)
+    else:
+        kernel_pass(args.model, args.src, args.out, args.threads)
+    return 0
 
 
 if __name__ == "__main__":

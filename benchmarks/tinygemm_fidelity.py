@@ -1,36 +1,20 @@
-"""Fidelity behind two cpu_int4 choices: the asymmetric grid, and a bf16 input embedding.
+"""The build worker of the ``tinygemm_fidelity`` suite's ``asym_shared`` arm
+(``benchmarks/suites/tinygemm_fidelity.py``): a ``cpu-quant tinygemm`` artifact whose input
+embedding is its own 4-bit head dequantized to bf16, exactly what a model whose lookup shares
+the head's 4-bit tensor computes (a lookup dequantizes one row, then everything is bf16).
 
-    python -m benchmarks.tinygemm_fidelity --asym DIR --sym DIR [--reference SRC]
-                                           [--windows 32 --seqlen 512] [--workdir DIR]
+    python -m benchmarks.tinygemm_fidelity OUT -- cpu-quant ARGS...
 
-Every arm is scored by ``cpu-quant eval`` (its own process, held-out text, float32) against the
-bf16 source:
-
-``asym``         ``cpu-quant tinygemm`` (asymmetric grid, the default), embedding bf16
-``sym``          the symmetric grid as cpu_int4 (``cpu-quant gptq`` -> ``convert``, or
-                 ``tinygemm --sym``), same calibration and groups
-``asym_shared``  ``asym`` with its input embedding replaced by its 4-bit head dequantized to
-                 bf16: exactly what a model whose lookup shares the head's 4-bit tensor
-                 computes (a lookup dequantizes one row, then everything is bf16)
-
-The result (all three reports, the artifacts' hashes, provenance) goes to
-``benchmarks/results/tinygemm-fidelity-<UTC stamp>.json``.
+runs ``python -m cpu_quant.cli ARGS`` (which must write its artifact to ``OUT.asym``) and
+writes the variant to ``OUT``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-from .provenance import collect, validate
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def shared_embedding_variant(asym: Path, dst: Path) -> Path:
@@ -62,55 +46,21 @@ def shared_embedding_variant(asym: Path, dst: Path) -> Path:
     return dst
 
 
-def cli_eval(artifact: Path, reference: Path, out: Path, windows: int, seqlen: int) -> dict:
-    cmd = [sys.executable, "-m", "cpu_quant.cli", "eval", str(artifact), "--reference",
-           str(reference), "--windows", str(windows), "--seqlen", str(seqlen), "--output-json", str(out)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    report = json.loads(out.read_text())["fidelity"]["weights"]
-    report["eval_seconds"] = round(time.perf_counter() - t0, 1)
-    return report
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--asym", required=True)
-    parser.add_argument("--sym", required=True)
-    parser.add_argument("--reference", default=None, help="bf16 source (default: the demo model)")
-    parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    if args.reference is None:
-        from cpu_quant.models.demo import demo_model_path
-
-        args.reference = str(demo_model_path())
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    work = Path(args.workdir or f"/tmp/cpu-quant-bench/tinygemm-fidelity-{stamp}")
-    work.mkdir(parents=True, exist_ok=True)
-    asym, sym, ref = Path(args.asym), Path(args.sym), Path(args.reference)
-    arms = {"asym": asym, "sym": sym,
-            "asym_shared": shared_embedding_variant(asym, work / "asym_shared")}
-    reports = {}
-    for name, path in arms.items():
-        reports[name] = cli_eval(path, ref, work / f"{name}.json", args.windows, args.seqlen)
-        r = reports[name]
-        print(f"{name:12s} KL {r['kl_mean']:.4f}  top-1 {r['top1_agreement']:.3f}  "
-              f"ppl {r['ppl_quantized']:.2f} ({r['ppl_delta']:+.2f})", file=sys.stderr)
-    settings = {"windows": args.windows, "seqlen": args.seqlen, "command": "cpu-quant eval",
-                "dtype": "float32"}
-    prov = collect(settings, {"reference": ref, **arms})
-    validate(prov)
-    result = {"suite": "tinygemm-fidelity", "reports": reports, "provenance": prov}
-    out = Path(args.out) / f"tinygemm-fidelity-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(out)
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m benchmarks.tinygemm_fidelity OUT -- cpu-quant ARGS...",
+              file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    asym = out.with_name(out.name + ".asym")
+    proc = subprocess.run([sys.executable, "-m", "cpu_quant.cli", *argv[2:]])
+    if proc.returncode != 0 or not (asym / "config.json").is_file():
+        print(f"error: cpu-quant exited {proc.returncode} without writing {asym}",
+              file=sys.stderr)
+        return 1
+    shared_embedding_variant(asym, out)
+    shutil.rmtree(asym)
     return 0
 
 

@@ -135,8 +135,7 @@ def main() -> None:
     if "cpu_quant.runtime_patches" in sys.modules:
         from cpu_quant import runtime_patches
 
-        if runtime_patches._outcomes is not None:
-            outcomes = [o.__dict__ for o in runtime_patches._outcomes]
+        outcomes = [o.__dict__ for o in runtime_patches.registered_outcomes() or []]
     result = {
         "start_seconds": start_seconds,
         "num_blocks": cache_config.num_gpu_blocks,

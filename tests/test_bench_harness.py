@@ -25,6 +25,8 @@ from benchmarks.harness import (
 )
 from benchmarks.rss import TreeRssSampler, tree_anon_rss_bytes
 
+REPO = Path(__file__).resolve().parents[1]
+
 RATE = Metric("tokens_per_second", "tok/s", "higher")
 TIME = Metric("seconds", "s", "lower")
 
@@ -350,7 +352,7 @@ def test_test_tiers_reads_every_tests_seconds_from_junit_xml(tmp_path):
 def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     from safetensors.torch import save_file
 
-    from benchmarks.bit_identity import compare, main
+    from benchmarks.bit_identity import compare, differences, main, output_digests
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -363,7 +365,20 @@ def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     save_file({"y": t["y"].view(torch.int16).to(torch.float32)}, str(b / "p2.safetensors"))
     got = compare(a, b)
     assert not got["identical"] and got["differing"] == ["y"]
-    assert main([str(a), str(tmp_path / "missing"), "--label", "t", "--out", str(tmp_path)]) == 2
+    # the suite's digests: every safetensors directory under a run's output, keyed by directory
+    ref, run = output_digests(tmp_path), output_digests(tmp_path)
+    assert set(ref) == {"a/x", "a/y", "b/x", "b/y"} and differences(ref, run) == {
+        "only_in_reference": [], "only_in_run": [], "differing": []}
+    (b / "model.gguf").write_bytes(b"GGUF")
+    save_file({"y": t["y"]}, str(b / "p2.safetensors"))
+    run = output_digests(tmp_path)
+    assert differences(ref, run) == {"only_in_reference": [], "only_in_run": ["b/model.gguf"],
+                                     "differing": ["b/y"]}
+    (a / "config.json").write_text("{}")
+    argv = ["--arm", "gptq", "--tree", str(REPO), "--out", str(tmp_path / "o"), "--json",
+            str(tmp_path / "d.json")]
+    assert main([*argv, "--src", str(tmp_path / "missing")]) == 2  # no checkpoint
+    assert main([*argv[:2], "--tree", str(tmp_path), *argv[4:], "--src", str(a)]) == 2
 
 
 def test_test_tiers_times_what_ci_and_the_readme_run():
@@ -405,18 +420,18 @@ def test_dist_projection_reads_the_committed_distributed_run(tmp_path, demo_src)
     """The 8B projection runs on the suite's committed result (its settings are in the
     provenance), and its payload model reproduces the bytes the two ranks really received."""
     from benchmarks import dist_projection
+    from benchmarks.suites.dist_projection import distributed_result
 
-    results = sorted((Path(dist_projection.RESULTS)).glob("distributed-*Z.json"))
-    assert results, "no complete distributed result is committed"
-    out = tmp_path / "out"
-    assert dist_projection.main([str(results[-1]), "--source", str(demo_src),
-                                 "--out", str(out)]) == 0
-    (written,) = out.glob("dist-projection-*.json")
-    doc = json.loads(written.read_text())
+    measured = distributed_result()
+    out = tmp_path / "projection.json"
+    assert dist_projection.main([str(measured), "--source", str(demo_src),
+                                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
     assert doc["measured"]["payload_check"]["exact"]
     assert [row["hosts"] for row in doc["projection"]] == [1, 4, 16]
-    assert dist_projection.main([str(results[-1]), "--source", str(tmp_path / "nowhere"),
-                                 "--out", str(out)]) == 2
+    assert dist_projection.main([str(measured), "--source", str(tmp_path / "nowhere"),
+                                 "--json", str(tmp_path / "other.json")]) == 2
+    assert not (tmp_path / "other.json").exists()
 
 
 def _run_smoke(suite: str, tmp_path, arms: list[str]) -> dict:
@@ -456,3 +471,18 @@ def test_hessian_cost_smoke_times_every_operation_and_the_products_errors(tmp_pa
     assert doc["baseline_of"]["gram-128"] == "bf16-slabs-128"
     assert doc["baseline_of"]["blocked-128"] == "lapack-128"
     assert all(r["metrics"]["seconds"] > 0 for r in doc["records"])
+
+
+def test_dist_projection_suite_projects_from_the_committed_run(tmp_path, demo_src):
+    """The projection suite's arm runs the worker on the newest committed distributed result:
+    the payload model reproduces the measured bytes (its metric must be 0)."""
+    from benchmarks.__main__ import main as bench_main
+
+    assert bench_main(["run", "dist_projection", "--smoke", "--source", str(demo_src), "--out",
+                       str(tmp_path), "--workdir", str(tmp_path / "work")]) == 0
+    (path,) = tmp_path.glob("dist_projection-smoke-*.json")
+    doc = json.loads(path.read_text())
+    (rec,) = doc["records"]
+    assert rec["ok"] and rec["metrics"]["payload_errors"] == 0
+    assert rec["metrics"]["best_total_hours"] == min(r["total_hours"]
+                                                     for r in rec["extras"]["projection"])

@@ -1,5 +1,6 @@
-"""Smoke runs of the ``quantize``, ``fidelity``, ``memory``, ``runtime``, ``phone``, ``eval`` and
-``fidelity_archs`` benchmark suites, so the harness cannot rot.
+"""Smoke runs of the ``quantize``, ``fidelity``, ``memory``, ``runtime``, ``phone``, ``eval``,
+``fidelity_archs``, ``scale``, ``bit_identity``, ``memory_trace`` and ``tinygemm`` (its kernel
+part) benchmark suites, so the harness cannot rot.
 
 One pass each, tiny settings (a 2-layer random Llama with the demo tokenizer, 4 × 64
 calibration tokens, 2 × 64 evaluation tokens), through the real entry point
@@ -270,3 +271,43 @@ def test_scale_suite_smoke(tmp_path_factory):
     assert set(run["extras"]["phase_seconds"]) >= {"calibration", "write", "final_write"}
     table = render(tmp / "results", tmp, smoke=True)
     assert "Llama-3.2-1B" in table and "×" in table
+
+
+def test_bit_identity_suite_smoke(tmp_path_factory):
+    """The byte-identity suite builds the arm from the reference revision (HEAD) and runs it
+    from this checkout: the tensors of the two runs are compared one by one, and the same
+    code gives the same bytes (a difference fails here: its metric is the count)."""
+    import subprocess as sp
+
+    result = _run_smoke("bit_identity", tmp_path_factory.mktemp("bench-bit-identity"),
+                        "--arms", "gptq")
+    head = sp.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    assert result["provenance"]["settings"]["reference_sha"] == head.strip()
+    assert result["builds"]["gptq"]["exit_status"] == 0 and result["failed_passes"] == 0
+    (rec,) = result["records"]
+    assert rec["metrics"]["differing"] == 0
+    ex = rec["extras"]
+    assert ex["digests"] == ex["reference_digests"] > 0 and ex["digest"] == ex["reference_digest"]
+    assert ex["command"][0] == "gptq" and "--no-eval" in ex["command"]
+
+
+def test_memory_trace_suite_smoke(tmp_path_factory):
+    """The diagnostic trace runs as a suite: the worker's traced peak (sampled every 20 ms, the
+    harness's every 100 ms) and the innermost frames at it are in the record."""
+    result = _run_smoke("memory_trace", tmp_path_factory.mktemp("bench-memory-trace"))
+    (rec,) = result["records"]
+    assert rec["ok"] and rec["arm"] == "depth-1x"
+    assert rec["metrics"]["traced_peak_bytes"] > 0 and rec["metrics"]["peak_rss_anon_bytes"] > 0
+    assert rec["extras"]["main_thread_at_peak"] and rec["extras"]["layers"] == 30
+
+
+def test_tinygemm_kernel_part_smoke(tmp_path_factory):
+    """The tinygemm suite's kernel part on the tiny model: one step's linears timed per path,
+    the op's times as the metrics."""
+    result = _run_smoke("tinygemm", tmp_path_factory.mktemp("bench-tinygemm"), "--arms",
+                        "kernel", result="tinygemm-kernel")
+    (rec,) = result["records"]
+    assert rec["ok"] and rec["arm"] == "kernel-smoke"
+    steps = rec["extras"]["linears_ms_per_step"]
+    assert rec["metrics"]["decode_linears_ms"] == steps["int4_m1"] > 0
+    assert steps["kernel_m1"] > 0 and steps["bf16_m512"] > 0

@@ -357,24 +357,26 @@ def test_pinned_mmap_threshold_keeps_large_blocks_off_the_heap(mode):
 def test_memory_trace_rejects_bad_arguments_in_one_line(bad, tmp_path):
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "benchmarks.memory_trace", *bad, "--out",
-                          str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory_trace", *bad, "--json",
+                          str(tmp_path / "trace.json")], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error:" in out.stderr.strip().splitlines()[-1]
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "trace.json").exists()
 
 
-@pytest.mark.parametrize("bad", [["--arms", "bf16,nope"], ["--llama-cpp", "q5"], ["--arms", ""]])
-def test_tinygemm_bench_rejects_bad_arguments_before_any_work(bad, tmp_path):
+@pytest.mark.parametrize("bad", [["--arms", "bf16,nope"], ["--arms", "kernel", "--source", "."],
+                                 ["--arms", "qwen05b", "--smoke"]])
+def test_tinygemm_suite_rejects_bad_arguments_before_any_work(bad, tmp_path):
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "benchmarks.tinygemm_bench", *bad, "--workdir",
-                          str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "run", "tinygemm", *bad,
+                          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error:" in out.stderr.strip().splitlines()[-1]
-    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()
+    assert not any((tmp_path / "work").rglob("*.safetensors"))  # no model was built
 
 
 def test_resume_point_file_reads_back_through_safetensors(tmp_path):

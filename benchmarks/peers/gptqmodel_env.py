@@ -35,7 +35,7 @@ TORCH_PIN = "2.13.0"
 RUNNER = Path(__file__).with_name("gptqmodel_runner.py")
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     explicit = os.environ.get("CPU_QUANT_CACHE")
     if explicit:
         return Path(explicit)
@@ -44,7 +44,7 @@ def _cache_root() -> Path:
 
 
 def venv_dir() -> Path:
-    return _cache_root() / "peers" / f"gptqmodel-{GPTQMODEL_VERSION}"
+    return cache_root() / "peers" / f"gptqmodel-{GPTQMODEL_VERSION}"
 
 
 def venv_python(root: Path | None = None) -> Path:

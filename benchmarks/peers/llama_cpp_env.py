@@ -43,9 +43,9 @@ from .gptqmodel_env import (
     PeerEnv,
     PeerInstallError,
     _base_python,
-    _cache_root,
     _run,
     build_staged,
+    cache_root,
     peer_main,
 )
 
@@ -61,7 +61,7 @@ TOOLS_CMAKE_ARGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS
 
 
 def venv_dir() -> Path:
-    return _cache_root() / "peers" / f"llama-cpp-python-{VERSION}"
+    return cache_root() / "peers" / f"llama-cpp-python-{VERSION}"
 
 
 def ready_env() -> PeerEnv | None:
@@ -124,7 +124,7 @@ def install(force: bool = False) -> PeerEnv:
 
 
 def tools_dir() -> Path:
-    return _cache_root() / "peers" / f"llama.cpp-tools-{VERSION}"
+    return cache_root() / "peers" / f"llama.cpp-tools-{VERSION}"
 
 
 def ready_tools() -> PeerEnv | None:

@@ -229,9 +229,3 @@ def render(results: Path, docs: Path) -> str:
         f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git {meta['sha'][:7]}{partial}. "
         "Command: `python -m benchmarks run determinism`. Result file: "
         f"[{path.name}]({os.path.relpath(path, docs)})."])
-
-
-if __name__ == "__main__":  # the results pages' tables, this one included
-    from ..render import main
-
-    raise SystemExit(main())

@@ -157,5 +157,42 @@ def _digests(arm: str, doc: dict) -> str:
 def render(results: Path, docs: Path) -> str:
     """The results page's block: the newest result file's table, with each arm's artifact
     digests (one digest per arm, the same in both arms: the same artifact)."""
-    return harness_block(results, docs, "distributed", "python -m benchmarks run distributed",
-                         {"tensor digest": _digests})
+    import json
+
+    from ..render import newest
+
+    block = harness_block(results, docs, "distributed", "python -m benchmarks run distributed",
+                          {"tensor digest": _digests})
+    path = newest(results, "distributed-2*.json", complete=True)
+    if path is None:
+        return block
+    return "\n".join([block, "", "Where the time goes (medians of each pass's timers):", "",
+                      phase_table(json.loads(path.read_text()))])
+
+
+# where the time goes: phase -> seconds of one pass's record (the report's timers)
+PHASES = (
+    ("Hessian products", lambda r: r["extras"]["phase_seconds"]["hessians"]),
+    ("forward passes (the layers' rest)", lambda r: r["extras"]["layer_seconds_sum"]
+     - r["extras"]["phase_seconds"]["hessians"] - r["extras"]["phase_seconds"]["quantize"]),
+    ("GPTQ sweeps", lambda r: r["extras"]["phase_seconds"]["quantize"]),
+    ("head", lambda r: r["extras"]["tool_head_seconds"]),
+    ("smoothing pass, tokenization, writing", lambda r: r["extras"]["tool_total_seconds"]
+     - r["extras"]["layer_seconds_sum"] - r["extras"]["tool_head_seconds"]),
+)
+
+
+def phase_table(doc: dict) -> str:
+    """Each phase's median seconds per arm (the tool's own timers, rank 0's), and the second
+    arm's over the first's."""
+    import statistics
+
+    arms = list(doc["summary"])
+    ok = {a: [r for r in doc["records"] if r["arm"] == a and r["ok"]] for a in arms}
+    lines = ["| phase | " + " | ".join(f"`{a}`" for a in arms) + " | ratio |",
+             "|---|" + "---|" * (len(arms) + 1)]
+    for title, seconds in PHASES:
+        med = [statistics.median(seconds(r) for r in ok[a]) for a in arms]
+        lines.append(f"| {title} | " + " | ".join(f"{m:.1f} s" for m in med)
+                     + f" | ×{med[-1] / med[0]:.2f} |")
+    return "\n".join(lines)

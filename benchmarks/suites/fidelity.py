@@ -209,7 +209,7 @@ def per_layer_weight_snr(artifact: str, source: str) -> dict[str, float]:
             for k in sorted(sig, key=lambda s: (not s.isdigit(), int(s) if s.isdigit() else 0))}
 
 
-def _collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+def collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
     doc = json.loads((ctx.workdir / "fidelity.json").read_text())["fidelity"]
     w4a8 = doc["w4a8_emulated"]
     return {m.name: float(w4a8[W4A8[m.name]] if m.name in W4A8 else doc["weights"][m.name])
@@ -219,14 +219,14 @@ def _collect_eval(ctx: PassContext, run: RunRecord) -> dict[str, float]:
 ArtifactOf = Callable[[PassContext], Path]
 
 
-def _artifact_resolver(prebuilt: Path | None) -> ArtifactOf:
+def artifact_resolver(prebuilt: Path | None) -> ArtifactOf:
     """Where an arm's artifact is: given on the command line, or made by its build step."""
     if prebuilt is not None:
         return lambda ctx: prebuilt
     return lambda ctx: ctx.build_dir / "artifact"
 
 
-def _extras(src: Path, artifact_of: ArtifactOf):
+def eval_extras(src: Path, artifact_of: ArtifactOf):
     def extras(ctx: PassContext, run: RunRecord) -> dict:
         fid = read_fidelity(ctx.workdir / "fidelity.json")
         artifact = artifact_of(ctx)
@@ -240,7 +240,7 @@ def _extras(src: Path, artifact_of: ArtifactOf):
     return extras
 
 
-def _eval_command(src: Path, ev: dict, timeout: float, artifact_of: ArtifactOf,
+def eval_command(src: Path, ev: dict, timeout: float, artifact_of: ArtifactOf,
                   verify: Callable[[Path], None]):
     def command(ctx: PassContext) -> Command:
         # before spending an evaluation: the artifact must be this arm's (a prebuilt one too)
@@ -252,7 +252,7 @@ def _eval_command(src: Path, ev: dict, timeout: float, artifact_of: ArtifactOf,
 
 def cpu_quant_fidelity_arm(spec: FidelityArm, src: Path, settings: dict, ev: dict,
                            timeout: float, prebuilt: Path | None = None) -> Arm:
-    artifact_of = _artifact_resolver(prebuilt)
+    artifact_of = artifact_resolver(prebuilt)
 
     def build_cmd(bdir: Path) -> Command:
         argv = q.cpu_quant_gptq_argv(src, bdir / "artifact", settings, list(spec.flags))
@@ -265,10 +265,10 @@ def cpu_quant_fidelity_arm(spec: FidelityArm, src: Path, settings: dict, ev: dic
     return Arm(spec.name, {"description": spec.description, "tool": "cpu-quant",
                            "command": spec.subcommand, "flags": list(spec.flags), **settings,
                            "eval": ev, "prebuilt": str(prebuilt) if prebuilt else None},
-               _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
+               eval_command(src, ev, timeout, artifact_of, verify), collect_eval,
                build=None if prebuilt else build_cmd,
                artifacts=lambda ctx: {"artifact": artifact_of(ctx)},
-               extras=_extras(src, artifact_of))
+               extras=eval_extras(src, artifact_of))
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,7 @@ def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, peer: PeerInputs, setti
                            ev: dict, timeout: float, prebuilt: Path | None = None) -> Arm:
     dyn = peer.dynamic(spec)
     model = peer.model(spec, src)
-    artifact_of = _artifact_resolver(prebuilt)
+    artifact_of = artifact_resolver(prebuilt)
 
     def build_cmd(bdir: Path) -> Command:
         env = q.peer_env()
@@ -374,10 +374,10 @@ def gptqmodel_fidelity_arm(spec: FidelityArm, src: Path, peer: PeerInputs, setti
                            "dynamic": dyn, "lm_head": spec.head, "quantized_model": str(model),
                            "env": q.GPTQMODEL_ENV, **settings, "eval": ev,
                            "prebuilt": str(prebuilt) if prebuilt else None},
-               _eval_command(src, ev, timeout, artifact_of, verify), _collect_eval,
+               eval_command(src, ev, timeout, artifact_of, verify), collect_eval,
                build=None if prebuilt else build_cmd,
                artifacts=lambda ctx: {"artifact": artifact_of(ctx)},
-               extras=_extras(src, artifact_of))
+               extras=eval_extras(src, artifact_of))
 
 
 def _wanted(opts: q.SuiteOptions, spec: FidelityArm) -> bool:
@@ -452,3 +452,25 @@ def build(opts: q.SuiteOptions) -> Suite:
         keep_artifacts="last",
     )
 
+
+
+# -- the results page ------------------------------------------------------------------------
+# runs whose rows can share a table: the same calibration and evaluation
+COMPARABLE = ("samples", "seqlen", "group", "batch_size", "calib", "eval")
+FORMATS = {"kl_mean": ".4f", "ppl_delta": "+.3f", "top1_agreement": ".3f",
+           "greedy_prefix_fraction": ".3f", "greedy_exact": ".0f", "kl_mean_w4a8": ".4f",
+           "top1_agreement_w4a8": ".3f"}
+LABELS = {"kl_mean": "KL (nats)", "ppl_delta": "ppl Δ", "top1_agreement": "top-1",
+          "greedy_prefix_fraction": "greedy prefix", "greedy_exact": "greedy exact",
+          "kl_mean_w4a8": "W4A8: KL", "top1_agreement_w4a8": "W4A8: top-1"}
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: per CPU class, each current arm's newest comparable run."""
+    from dataclasses import asdict
+
+    from ..render import merged_block
+
+    return merged_block(results, docs, "fidelity-2*.json",
+                        "python -m benchmarks run fidelity [--arms ARM,...]", COMPARABLE,
+                        [asdict(m) for m in METRICS], FORMATS, [a.name for a in ARMS], LABELS)

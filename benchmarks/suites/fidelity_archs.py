@@ -162,3 +162,57 @@ def build(opts: q.SuiteOptions) -> Suite:
         notes=notes,
         keep_artifacts="last",
     )
+
+
+# -- the results page ------------------------------------------------------------------------
+COMPARABLE = (*fidelity.COMPARABLE, "shape", "seed")
+
+
+def _cell(per: dict | None) -> str:
+    if not per or not per["kl_mean"].get("n"):
+        return "—"
+    w4a8 = per.get("kl_mean_w4a8") or {}
+    text = f"{per['kl_mean']['median']:.5f}"
+    return text + (f" / {w4a8['median']:.5f}" if w4a8.get("n") else "")
+
+
+def pivot_table(runs: list, docs: Path) -> str:
+    """Architectures down, the rows (fidelity methods) across: KL / W4A8 KL in nats, each
+    cell from the newest of ``runs`` that measured it; then the result files."""
+    import os
+    from dataclasses import asdict
+
+    from ..render import machine, summary_of
+
+    cells: dict[str, tuple[dict, Path]] = {}
+    for path, doc in runs:
+        for arm, per in summary_of(doc, [asdict(m) for m in fidelity.METRICS]).items():
+            cells.setdefault(arm, (per, path))
+    archs = [a for a in TINY_ARCHS if any(k.startswith(f"{a}:") for k in cells)]
+    rows = [r for r in ROWS if any(arm_name(a, r) in cells for a in archs)]
+    lines = ["| architecture | " + " | ".join(f"`{r}`" for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for arch in archs:
+        lines.append(f"| {arch} | " + " | ".join(
+            _cell(cells.get(arm_name(arch, r), (None,))[0]) for r in rows) + " |")
+    used = sorted({p for _, p in cells.values()}, reverse=True)
+    lines += ["", "Result files: " + "; ".join(
+        f"[{p.name}]({os.path.relpath(p, docs)}) (git "
+        f"{machine(json.loads(p.read_text()))['sha'][:7]})" for p in used) + "."]
+    return "\n".join(lines)
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: per CPU class, the newest comparable run of each
+    architecture and method, as KL / W4A8 KL."""
+    from ..render import comparable_runs, machine
+
+    parts = []
+    for runs in comparable_runs(results, "fidelity_archs-2*.json", COMPARABLE):
+        meta = machine(runs[0][1])
+        parts += [pivot_table(runs, docs), "",
+                  f"KL / W4A8 KL in nats. Machine: {meta['cpu']} ({meta['isa']}), "
+                  f"{meta['cores']} cores; each cell the newest run of that arm on this CPU "
+                  f"class with the same settings. Command: `python -m benchmarks run "
+                  f"fidelity_archs [--arms ARCH:ROW,...]`.", ""]
+    return "\n".join(parts[:-1]) if parts else "Not measured yet."

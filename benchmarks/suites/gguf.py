@@ -574,3 +574,48 @@ def build(opts: q.SuiteOptions) -> list[Suite]:
         for s in suites:
             s.description += " (SMOKE)"
     return suites
+
+
+# -- the results page ------------------------------------------------------------------------
+FIDELITY_ORDER = [OURS, *(name for _, name in EMBEDDING_VARIANTS),
+                  *(name for _, name, _ in LLAMA_ARMS), "llama.cpp-bf16"]
+
+
+def _first_extras(arm: str, doc: dict) -> dict:
+    return next((r["extras"] for r in doc["records"] if r["arm"] == arm and r["ok"]), {})
+
+
+def _bits(arm: str, doc: dict) -> str:
+    x = _first_extras(arm, doc)
+    if "bits_per_weight_linears" not in x:
+        return "—"
+    return f"{x['bits_per_weight_linears']:.3g} / {x['bits_per_weight_all']:.3g}"
+
+
+def _kl_se(arm: str, doc: dict) -> str:
+    se = [r["extras"]["kl_se"] for r in doc["records"]
+          if r["arm"] == arm and r["ok"] and "kl_se" in r["extras"]]
+    return "—" if not se else f"{min(se):.4f}–{max(se):.4f}" if len(se) > 1 else f"{se[0]:.4f}"
+
+
+def render(results: Path, docs: Path) -> str:
+    """The results page's block: the fidelity part per CPU class (each arm's newest run with
+    the same calibration and evaluation), then the decode and formats parts' newest runs."""
+    from dataclasses import asdict
+
+    from ..render import harness_block, merged_block
+
+    fidelity = merged_block(
+        results, docs, "gguf-fidelity-2*.json", "python -m benchmarks run gguf --arms fidelity",
+        ("calibration", "eval"), [asdict(m) for m in FIDELITY_METRICS],
+        {"kl_mean": ".4f", "ppl_delta": "+.2f", "top1_agreement": ".3f"}, FIDELITY_ORDER,
+        {"kl_mean": "KL (nats)", "ppl_delta": "ppl Δ", "top1_agreement": "top-1"},
+        partial=True, extra={"KL's standard error per pass": _kl_se,
+                             "bits per weight: linears / file": _bits})
+    return "\n".join([
+        "**fidelity** (KL against llama.cpp's bf16 GGUF of the source):", "", fidelity, "",
+        "**decode** (llama.cpp, our file against its own Q4_0):", "",
+        harness_block(results, docs, "gguf-decode", "python -m benchmarks run gguf --arms decode"),
+        "", "**formats** (the cost of writing three formats in one run):", "",
+        harness_block(results, docs, "gguf-formats",
+                      "python -m benchmarks run gguf --arms formats")])

@@ -15,7 +15,7 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
 ``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable
             kernels likewise
 
-**Build (once per arm).** ``python -m benchmarks.phone_bench --export DIR --scheme ARM`` exports
+**Build (once per arm).** ``python -m benchmarks.phone_bench export --out DIR --scheme ARM`` exports
 the source with ``cpu_quant.export.pipeline.export_phone`` (static KV cache, ``prefill`` and
 ``decode`` methods, verification of the ``.pte`` against the float source on 16 held-out
 windows of 128 tokens included) into the arm's build directory. The harness records the build's
@@ -23,7 +23,7 @@ wall time and peak
 RssAnon (``result["builds"]``); the export's own phase times (load, quantize and lower, write,
 verify) are in every pass's extras. Export time is a single measurement per run, not a median.
 
-**Pass.** ``python -m benchmarks.phone_bench --measure DIR/model.pte`` in a fresh process:
+**Pass.** ``python -m benchmarks.phone_bench measure --pte DIR/model.pte`` in a fresh process:
 load the program with ExecuTorch's runtime (pybindings), warm up, prefill a fixed held-out
 prompt through ``prefill`` and greedily decode through ``decode``, batch 1.
 
@@ -51,7 +51,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 from ..harness import Arm, Command, HarnessError, Metric, PassContext, RunRecord, Suite
@@ -109,8 +108,8 @@ def smoke_model(dst: Path) -> Path:
     return dst
 
 
-def _bench_argv(src: Path, settings: dict) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.phone_bench", "--src", str(src),
+def _bench_argv(step: str, src: Path, settings: dict) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.phone_bench", step, "--src", str(src),
             "--max-seq-len", str(settings["max_seq_len"]),
             "--prefill-len", str(settings["prefill_len"]),
             "--prompt-tokens", str(settings["prompt_tokens"]),
@@ -154,12 +153,12 @@ def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
         return prebuilt if prebuilt is not None else ctx.build_dir / "export"
 
     def build_cmd(bdir: Path) -> Command:
-        return Command([*_bench_argv(src, settings), "--export", str(bdir / "export"),
+        return Command([*_bench_argv("export", src, settings), "--out", str(bdir / "export"),
                         "--scheme", scheme], cwd=str(REPO), timeout=timeouts["export"])
 
     def command(ctx: PassContext) -> Command:
         pte = export_dir(ctx) / "model.pte"
-        return Command([*_bench_argv(src, settings), "--measure", str(pte),
+        return Command([*_bench_argv("measure", src, settings), "--pte", str(pte),
                         "--record", str(ctx.workdir / "measure.json")],
                        cwd=str(REPO), timeout=timeouts["measure"])
 
@@ -197,8 +196,8 @@ def scheme_arm(scheme: str, src: Path, settings: dict, timeouts: dict,
 
 def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
                arms: list[str] | None = None, prebuilt: dict[str, Path] | None = None,
-               sizes: dict | None = None) -> Suite:
-    settings = {**(SMOKE if smoke else REAL), **(sizes or {})}
+               ) -> Suite:
+    settings = dict(SMOKE if smoke else REAL)
     settings["prefill_len"] = min(settings["prefill_len"], settings["max_seq_len"])
     timeouts = TIMEOUT_SMOKE if smoke else TIMEOUT
     if src is None:
@@ -242,26 +241,6 @@ def make_suite(smoke: bool, workdir: Path, src: Path | None = None,
 
 def build(opts: SuiteOptions) -> Suite:
     return make_suite(opts.smoke, opts.workdir, opts.source, opts.arms, opts.prebuilt)
-
-
-def run_from_cli(smoke: bool, passes: int | None, src: Path | None, arms: list[str] | None,
-                 sizes: dict, out: Path, workdir: Path | None) -> int:
-    """``python -m benchmarks.phone_bench``: this suite with its sizes given as flags."""
-    from ..harness import check_passes, run_suite
-    from ..peers import gptqmodel_env
-
-    passes = passes if passes is not None else (1 if smoke else 3)
-    try:
-        check_passes(passes, smoke)
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        workdir = workdir or gptqmodel_env._cache_root() / "bench-work" / f"phone-{stamp}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        suite = make_suite(smoke, workdir, src, arms, None, sizes)
-        result, _ = run_suite(suite, passes, smoke, out, workdir)
-    except (HarnessError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 1 if result["failed_passes"] else 0
 
 
 def _verification(arm: str, doc: dict) -> dict:

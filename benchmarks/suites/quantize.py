@@ -79,6 +79,7 @@ class SuiteOptions:
     arms: list[str] | None = None  # None: every arm
     install_peers: bool = True  # real runs install GPTQModel's venv when it is missing
     prebuilt: dict[str, Path] | None = None  # arm -> artifact made elsewhere (fidelity only)
+    reference: str | None = None  # a git revision to compare with (bit_identity)
 
 
 # -- inputs shared by the suites -------------------------------------------------------------
@@ -113,7 +114,7 @@ def source_model(opts: SuiteOptions) -> Path:
     if opts.source is not None:
         return opts.source
     if opts.smoke:
-        return smoke_model(gptqmodel_env._cache_root())
+        return smoke_model(gptqmodel_env.cache_root())
     from cpu_quant.models.demo import demo_model_path
 
     return demo_model_path()

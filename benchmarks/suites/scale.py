@@ -163,7 +163,7 @@ def build(opts: SuiteOptions) -> list[Suite]:
         if opts.smoke:
             from ..peers import gptqmodel_env
 
-            src, (samples, seqlen) = smoke_model(gptqmodel_env._cache_root()), SMOKE_CALIBRATION
+            src, (samples, seqlen) = smoke_model(gptqmodel_env.cache_root()), SMOKE_CALIBRATION
         else:
             src, (samples, seqlen) = random_model_path(model), CALIBRATION[model]
         dst = opts.workdir / "artifacts" / model
@@ -298,9 +298,3 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     if q.get("machine_note"):
         lines.append(f"Note on this run: {q['machine_note']}.")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the results pages' tables, this one included
-    from ..render import main
-
-    raise SystemExit(main())

@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from ..core.memory import anon_rss_bytes
 from ..core.patch_outcome import LEVELS, PatchOutcome
 
-__all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "patch_modules", "register"]
+__all__ = ["PatchOutcome", "anon_rss_bytes", "log_outcome", "patch_modules", "register",
+           "registered_outcomes"]
 
 logger = logging.getLogger("vllm.cpu_quant")
 
@@ -158,6 +159,12 @@ def _register_method(name: str, path: str) -> PatchOutcome:
         return PatchOutcome(name, "applied", f"quantization method {name} registered")
     except Exception as exc:
         return PatchOutcome(name, "failed", f"{type(exc).__name__}: {exc}")
+
+
+def registered_outcomes() -> list[PatchOutcome] | None:
+    """What :func:`register` did in this process, or None when it has not run (vLLM loaded no
+    plugin here)."""
+    return None if _outcomes is None else list(_outcomes)
 
 
 def register() -> list[PatchOutcome]:

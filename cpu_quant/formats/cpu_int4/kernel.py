@@ -165,8 +165,10 @@ def _run(fn, blocks: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
         return fn(blocks, sz)
 
 
-def _dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor,
-                       group: int) -> torch.Tensor:
+def dequantize_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor,
+                      group: int) -> torch.Tensor:
+    """The op's path above the kernel's rows: tiles of the weight dequantized (by the
+    ``PREFILL_GEMM`` and ``FUSED_DEQUANTIZE`` settings), each multiplied by a dense GEMM."""
     n, half = packed.shape
     k, m = half * 2, x.shape[0]
     gemm = _GEMM_DTYPES[PREFILL_GEMM]
@@ -218,7 +220,7 @@ def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Te
         PATH_CALLS["kernel"] += 1
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)
     PATH_CALLS["dequantize"] += 1
-    return _dequantize_matmul(x, packed, scale_zeros, group)
+    return dequantize_matmul(x, packed, scale_zeros, group)
 
 
 @int4pack_linear.register_fake
