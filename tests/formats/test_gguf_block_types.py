@@ -70,7 +70,8 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("kind", ["random", "zero", "limits"])
 def test_gguf_py_dequantizes_our_bytes_to_our_values_bit_for_bit(qt: QuantType, kind: str) -> None:
     n, k = 12, 512
-    bq = random_result(qt, n, k, seed=IDS.index(qt.name) * 3 + ["random", "zero", "limits"].index(kind), kind=kind)
+    seed = IDS.index(qt.name) * 3 + ["random", "zero", "limits"].index(kind)
+    bq = random_result(qt, n, k, seed=seed, kind=kind)
     blocks = qt.pack(bq)
     assert blocks.dtype == torch.uint8
     assert blocks.shape == (n, k // qt.elements * qt.block_bytes)
