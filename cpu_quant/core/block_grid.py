@@ -27,6 +27,7 @@ math; nothing here knows a file format.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -158,10 +159,25 @@ class BlockQuant:
 
 
 def nearest_level(t: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the level nearest to each value of ``t`` (ties to the lower level); NaN gives
-    the lowest. ``levels``: sorted float32."""
-    mids = (levels[1:] + levels[:-1]) * 0.5
-    return torch.bucketize(t, mids, right=False).to(torch.uint8)
+    """Index of the level nearest to each value of ``t`` (a value on a midpoint takes the
+    upper level; NaN the lowest). ``levels``: sorted float32, integers (every table here is):
+    their midpoints are multiples of 1/2, so the nearest level is constant on each interval
+    ``[j/2, (j+1)/2)`` and one table lookup on ``floor(2t)`` finds it."""
+    lo, hi = int(levels[0]), int(levels[-1])
+    table = _midpoint_table(tuple(levels.tolist()))
+    j = torch.floor(2 * t.clamp(lo, hi)).nan_to_num_(2 * lo)
+    return table[(j - 2 * lo).long().clamp_(0, table.numel() - 1)]
+
+
+@functools.lru_cache(maxsize=16)
+def _midpoint_table(levels: tuple[float, ...]) -> torch.Tensor:
+    """Entry ``i``: the index of the level nearest to the centre of ``[lo + i/2, lo + (i+1)/2)``."""
+    if any(v != int(v) for v in levels):
+        raise ValueError("level tables must hold integers")
+    lv = torch.tensor(levels, dtype=torch.float64)
+    lo, hi = int(levels[0]), int(levels[-1])
+    centres = (torch.arange(2 * lo, 2 * hi + 1, dtype=torch.float64) + 0.5) / 2
+    return (centres.unsqueeze(-1) - lv).abs().argmin(-1).to(torch.uint8)
 
 
 def codes_for(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,

@@ -32,13 +32,21 @@ from __future__ import annotations
 
 import torch
 
-from ..core.block_grid import BlockGrid, BlockQuant, BlockScales, codes_for, fp16_exact
+from ..core.block_grid import (
+    BlockGrid,
+    BlockQuant,
+    BlockScales,
+    codes_for,
+    fp16_exact,
+    nearest_level,
+)
 from .gptq import GPTQStats, HessianPrep, prepare_hessian
 
-FACTORS = tuple(0.7 + 0.025 * i for i in range(25))  # 0.7 .. 1.3: stretch of the extreme's scale
-SHRINK = tuple(1.0 - x / 40 for x in range(0, 13))  # 1.0 .. 0.7: ends of the range (mins)
-REFITS = 2
-SUPER_FACTORS = (0.88, 0.92, 0.94, 0.96, 0.98, 1.0, 1.02, 1.04)  # super-scale candidates
+# stretches of a block's first scale candidate (the extreme on an end level, or the range over
+# the levels): llama.cpp's make_qx_quants and make_qkx2_quants try some 20 steps of 0.1 level
+FACTORS = tuple(0.8 + 0.025 * i for i in range(17))  # 0.8 .. 1.2
+REFITS = 1  # weighted least-squares refits of each candidate's codes
+SUPER_FACTORS = (0.94, 0.97, 1.0, 1.03)  # super-scale candidates around the plain one
 ROWS_CHUNK = 1 << 16  # weights per fitting call (the candidates hold a few copies)
 
 
@@ -106,22 +114,21 @@ def _fit_with_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor, store
             z = z.clamp_max(0.0)
         return stored(s.clamp_min(0.0)), stored(z)
 
-    for f_lo in SHRINK:
-        for f_hi in SHRINK:
-            s, z = clamp((hi * f_hi - lo * f_lo) / top, lo * f_lo)
-            for _ in range(REFITS + 1):
-                e, q = _err(wb, d, s, z, levels)
-                best.keep(e, s, z)
-                lq = levels[q.long()]
-                sl = (d * lq).sum(-1, keepdim=True)
-                sll = (d * lq * lq).sum(-1, keepdim=True)
-                swl = (d * wb * lq).sum(-1, keepdim=True)
-                det = sd * sll - sl * sl
-                ok = det.abs() > 1e-20 * (sd * sll).abs().clamp_min(1e-30)
-                safe = torch.where(ok, det, torch.ones_like(det))
-                s, z = clamp(torch.where(ok, (sd * swl - sl * sdw) / safe, s),
-                             torch.where(ok, (sll * sdw - sl * swl) / safe, z))
-            best.keep(_err(wb, d, s, z, levels)[0], s, z)
+    for f in FACTORS:
+        s, z = clamp((hi - lo) / (top * f), lo)
+        for _ in range(REFITS + 1):
+            e, q = _err(wb, d, s, z, levels)
+            best.keep(e, s, z)
+            lq = levels[q.long()]
+            sl = (d * lq).sum(-1, keepdim=True)
+            sll = (d * lq * lq).sum(-1, keepdim=True)
+            swl = (d * wb * lq).sum(-1, keepdim=True)
+            det = sd * sll - sl * sl
+            ok = det.abs() > 1e-20 * (sd * sll).abs().clamp_min(1e-30)
+            safe = torch.where(ok, det, torch.ones_like(det))
+            s, z = clamp(torch.where(ok, (sd * swl - sl * sdw) / safe, s),
+                         torch.where(ok, (sll * sdw - sl * swl) / safe, z))
+        best.keep(_err(wb, d, s, z, levels)[0], s, z)
     return best.s, best.z
 
 
@@ -161,18 +168,20 @@ def _sub_scales(wb, d, levels, grid: BlockGrid, s, z):
     for f in SUPER_FACTORS:
         dd = fp16_exact(d0 * f)
         blk_e = torch.full(shape[:3], torch.inf)
-        blk_sc = torch.zeros(shape[:3])
-        blk_m = torch.zeros(shape[:3])
+        blk_sc = torch.round(_safe_ratio(s3, dd)).clamp(lo, hi)
+        blk_m = m_cands[1] if grid.has_min else None
+        # the sub-scale among its neighbours with the rounded sub-min, then the sub-min
         for sc in _neighbours(_safe_ratio(s3, dd), lo, hi):
-            scale = (dd * sc).unsqueeze(-1)
-            for m in m_cands:
-                off = None if m is None else (-(dmin * m)).unsqueeze(-1)
-                e = _err(w4, d4, scale, off, levels)[0].squeeze(-1)
+            e = _sub_error(w4, d4, levels, dd, sc, dmin, blk_m)
+            better = e < blk_e
+            blk_e, blk_sc = torch.where(better, e, blk_e), torch.where(better, sc, blk_sc)
+        if grid.has_min:
+            for m in (m_cands[0], m_cands[2]):
+                e = _sub_error(w4, d4, levels, dd, blk_sc, dmin, m)
                 better = e < blk_e
-                blk_e = torch.where(better, e, blk_e)
-                blk_sc = torch.where(better, sc, blk_sc)
-                if m is not None:
-                    blk_m = torch.where(better, m, blk_m)
+                blk_e, blk_m = torch.where(better, e, blk_e), torch.where(better, m, blk_m)
+        else:
+            blk_m = best_m
         tot = blk_e.sum(-1, keepdim=True)
         better = tot < best_e
         best_e = torch.where(better, tot, best_e)
@@ -180,6 +189,12 @@ def _sub_scales(wb, d, levels, grid: BlockGrid, s, z):
         best_sc = torch.where(better, blk_sc, best_sc)
         best_m = torch.where(better, blk_m, best_m)
     return best_d, best_sc, dmin, best_m
+
+
+def _sub_error(w4, d4, levels, dd, sc, dmin, m) -> torch.Tensor:
+    scale = (dd * sc).unsqueeze(-1)
+    off = None if m is None else (-(dmin * m)).unsqueeze(-1)
+    return _err(w4, d4, scale, off, levels)[0].squeeze(-1)
 
 
 def fit_block_scales(weight: torch.Tensor, importance: torch.Tensor | None, grid: BlockGrid
@@ -249,7 +264,6 @@ def quantize_block_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPre
     w[:, prep.dead] = 0.0
     fixed = fit_block_scales(w, prep.importance, grid)
     levels = grid.level_tensor
-    mids = (levels[1:] + levels[:-1]) * 0.5
     b = grid.block
     scales = fixed.scales()  # [N, K/b]
     zeros = fixed.offsets()
@@ -272,7 +286,7 @@ def quantize_block_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPre
             blk = blocks[col]
             wcol = w1[i]
             target = wcol if z_t is None else wcol - z_t[blk]
-            q = torch.bucketize(target / safe_t[blk], mids)
+            q = nearest_level(target / safe_t[blk], levels).long()
             codes_t[col] = q
             deq = s_t[blk] * levels[q]
             if z_t is not None:
