@@ -8,10 +8,11 @@ The grid is fixed before any code is chosen, from the original weights (GPTQ's "
 groups"), and every candidate is scored with the values that will be on disk:
 
 1. **Per block, a float scale (and min).** Without mins: the block's signed extreme mapped onto
-   either end of the level table, stretched by factors from 0.7 to 1.3, each candidate's
-   nearest codes refitted by weighted least squares (``s = Σdwl / Σdl²``), the best kept. With
-   mins (levels ``0..n``): the range ``[min(w), max(w)]`` (its low end clamped at 0 when the
-   min is stored as a non-negative integer) shrunk at both ends, each candidate refitted
+   either end of the level table, or up to one level beyond or short of it (steps of 0.2
+   level), each candidate's nearest codes refitted by weighted least squares
+   (``s = Σdwl / Σdl²``), the best kept. With mins (levels ``0..n``): the range
+   ``[min(w), max(w)]`` (its low end clamped at 0 when the min is stored as a non-negative
+   integer) over the top level, or up to one level more or less, each candidate refitted
    jointly (``s``, ``z``). A grid without sub-scales scores its candidates with the scale and
    min rounded to float16, as stored.
 2. **Sub-scales** (grids with super-blocks): the super scale ``d`` from the largest block scale
@@ -42,10 +43,10 @@ from ..core.block_grid import (
 )
 from .gptq import GPTQStats, HessianPrep, prepare_hessian
 
-# stretches of a block's first scale candidate (the extreme on an end level, or the range over
-# the levels): llama.cpp's make_qx_quants and make_qkx2_quants try some 20 steps of 0.1 level
-FACTORS = tuple(0.8 + 0.025 * i for i in range(17))  # 0.8 .. 1.2
-REFITS = 1  # weighted least-squares refits of each candidate's codes
+# A block's scale candidates put its extreme (or its range) this many levels beyond or short of
+# the end level, each candidate then refitted once by weighted least squares; llama.cpp's
+# make_qx_quants / make_qkx2_quants step 0.1 level over ±0.9 / ±1 level and refit each
+LEVEL_STEPS = tuple(0.2 * i for i in range(-5, 6))  # -1 .. +1 level
 SUPER_FACTORS = (0.94, 0.97, 1.0, 1.03)  # super-scale candidates around the plain one
 ROWS_CHUNK = 1 << 16  # weights per fitting call (the candidates hold a few copies)
 
@@ -83,15 +84,14 @@ def _fit_no_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor, stored)
     for end in ends:
         if end == 0:
             continue
-        for f in FACTORS:
-            s = stored(extreme / (end * f))
-            for _ in range(REFITS + 1):
-                e, q = _err(wb, d, s, None, levels)
-                best.keep(e, s, None)
-                lq = levels[q.long()]
-                den = (d * lq * lq).sum(-1, keepdim=True)
-                s = stored(torch.where(den > 0, (d * wb * lq).sum(-1, keepdim=True)
-                                       / den.clamp_min(1e-30), s))
+        for step in LEVEL_STEPS:
+            s = stored(extreme / (end + step * (1 if end > 0 else -1)))
+            e, q = _err(wb, d, s, None, levels)
+            best.keep(e, s, None)
+            lq = levels[q.long()]
+            den = (d * lq * lq).sum(-1, keepdim=True)
+            s = stored(torch.where(den > 0, (d * wb * lq).sum(-1, keepdim=True)
+                                   / den.clamp_min(1e-30), s))
             best.keep(_err(wb, d, s, None, levels)[0], s, None)
     zero = wb.abs().amax(-1, keepdim=True) == 0
     return torch.where(zero, torch.zeros_like(best.s), best.s)
@@ -114,20 +114,19 @@ def _fit_with_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor, store
             z = z.clamp_max(0.0)
         return stored(s.clamp_min(0.0)), stored(z)
 
-    for f in FACTORS:
-        s, z = clamp((hi - lo) / (top * f), lo)
-        for _ in range(REFITS + 1):
-            e, q = _err(wb, d, s, z, levels)
-            best.keep(e, s, z)
-            lq = levels[q.long()]
-            sl = (d * lq).sum(-1, keepdim=True)
-            sll = (d * lq * lq).sum(-1, keepdim=True)
-            swl = (d * wb * lq).sum(-1, keepdim=True)
-            det = sd * sll - sl * sl
-            ok = det.abs() > 1e-20 * (sd * sll).abs().clamp_min(1e-30)
-            safe = torch.where(ok, det, torch.ones_like(det))
-            s, z = clamp(torch.where(ok, (sd * swl - sl * sdw) / safe, s),
-                         torch.where(ok, (sll * sdw - sl * swl) / safe, z))
+    for step in LEVEL_STEPS:
+        s, z = clamp((hi - lo) / (top + step), lo)
+        e, q = _err(wb, d, s, z, levels)
+        best.keep(e, s, z)
+        lq = levels[q.long()]
+        sl = (d * lq).sum(-1, keepdim=True)
+        sll = (d * lq * lq).sum(-1, keepdim=True)
+        swl = (d * wb * lq).sum(-1, keepdim=True)
+        det = sd * sll - sl * sl
+        ok = det.abs() > 1e-20 * (sd * sll).abs().clamp_min(1e-30)
+        safe = torch.where(ok, det, torch.ones_like(det))
+        s, z = clamp(torch.where(ok, (sd * swl - sl * sdw) / safe, s),
+                     torch.where(ok, (sll * sdw - sl * swl) / safe, z))
         best.keep(_err(wb, d, s, z, levels)[0], s, z)
     return best.s, best.z
 
