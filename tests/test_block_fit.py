@@ -229,3 +229,19 @@ def test_the_prepared_hessian_is_reused_unchanged() -> None:
     a, _ = quantize_block_gptq(w, prep, grid)
     b, _ = quantize_block_gptq(w, h, grid)
     assert torch.equal(a.codes, b.codes) and torch.equal(a.fixed.d, b.fixed.d)
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_nearest_level_is_the_nearest(name: str) -> None:
+    """The rounding / table lookup against a brute-force argmin over the levels, for values
+    inside, beyond and between every level (exact midpoints left out: either level is nearest)."""
+    from cpu_quant.core.block_grid import nearest_level
+
+    levels = GRIDS[name].level_tensor
+    t = torch.cat([torch.linspace(float(levels[0]) - 5, float(levels[-1]) + 5, 20011),
+                   levels, torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 40])
+    mids = (levels[1:] + levels[:-1]) / 2
+    t = t[~torch.isin(t, mids)]
+    brute = (t.unsqueeze(-1) - levels).abs().argmin(-1)
+    assert torch.equal(nearest_level(t, levels).long(), brute)
+    assert int(nearest_level(torch.tensor([float("nan")]), levels)) == 0

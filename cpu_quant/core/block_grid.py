@@ -159,11 +159,14 @@ class BlockQuant:
 
 
 def nearest_level(t: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Index of the level nearest to each value of ``t`` (a value on a midpoint takes the
-    upper level; NaN the lowest). ``levels``: sorted float32, integers (every table here is):
-    their midpoints are multiples of 1/2, so the nearest level is constant on each interval
-    ``[j/2, (j+1)/2)`` and one table lookup on ``floor(2t)`` finds it."""
+    """Index of the level nearest to each value of ``t`` (NaN gives the lowest). ``levels``:
+    sorted float32 integers (every table here is). Consecutive integers: ``round`` (a value
+    halfway takes the even level). Otherwise the midpoints are multiples of 1/2, so the nearest
+    level is constant on each interval ``[j/2, (j+1)/2)`` and one lookup on ``floor(2t)``
+    finds it (a value on a midpoint takes the upper level)."""
     lo, hi = int(levels[0]), int(levels[-1])
+    if hi - lo + 1 == levels.numel():  # consecutive integers: rounding is the lookup
+        return (torch.round(t.clamp(lo, hi)).nan_to_num_(lo) - lo).to(torch.uint8)
     table = _midpoint_table(tuple(levels.tolist()))
     j = torch.floor(2 * t.clamp(lo, hi)).nan_to_num_(2 * lo)
     return table[(j - 2 * lo).long().clamp_(0, table.numel() - 1)]
