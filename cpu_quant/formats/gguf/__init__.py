@@ -54,7 +54,8 @@ a linear kept float         BF16   exact: the plan keeps one float only when K %
 Metadata: ``general.architecture`` and ``{arch}.*`` hyperparameters, ``general.file_type``
 (2, MOSTLY_Q4_0, for ``gguf``; the file type's own for the others), the tokenizer
 (``tokenizer.ggml.model = gpt2``, tokens, token types, merges, special ids,
-``add_bos_token``, the pre-tokenizer name from :data:`PRE_TOKENIZERS`) and the chat template, and ``cpu_quant.*`` provenance (group, head_quantized).
+``add_bos_token``, the pre-tokenizer name from :data:`PRE_TOKENIZERS`) and the chat template,
+and ``cpu_quant.*`` provenance (group, head_quantized).
 
 While a run is going, each ``end_layer`` writes ``.gguf-parts/part-XXXXX.safetensors``: the
 layer's quantized blocks as uint8 [N, bytes per row] under their Hugging Face names and its
