@@ -137,7 +137,16 @@ def test_a_type_mix_format_is_written_alone() -> None:
 
 
 # -- a written file ------------------------------------------------------------------------------
-SHAPE = TinyShape(hidden=256, intermediate=512, layers=4, heads=4, kv_heads=1, tied=False)
+SHAPE = TinyShape(hidden=256, intermediate=256, layers=2, heads=4, kv_heads=1, tied=False)
+
+
+@pytest.fixture
+def one_thread():
+    """The quantizer fits grids on one thread per worker (schedule.quantize_linears)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +178,7 @@ def _write(fmt_name: str, src: Path, dst: Path) -> tuple[Path, dict, dict]:
 
 @pytest.mark.parametrize("fmt_name", ["gguf:q4_k_m", "gguf:q4_k_s", "gguf:iq4_nl"])
 def test_every_tensor_matches_gguf_py_and_reads_back(k_model: Path, tmp_path: Path,
-                                                     fmt_name: str) -> None:
+                                                     fmt_name: str, one_thread) -> None:
     fmt = get_format(fmt_name)
     path, quant, cfg = _write(fmt_name, k_model, tmp_path)
     assert path.name == f"src{fmt.file_suffix}" and fmt.file_suffix.endswith(".gguf")
@@ -200,7 +209,7 @@ def test_every_tensor_matches_gguf_py_and_reads_back(k_model: Path, tmp_path: Pa
     assert set(seen) <= set(summary["types"])
 
 
-def test_a_non_finite_block_scale_is_refused(k_model: Path, tmp_path: Path) -> None:
+def test_a_non_finite_block_scale_is_refused(k_model: Path, tmp_path: Path, one_thread) -> None:
     path, _, cfg = _write("gguf:q4_k_m", k_model, tmp_path)
     reader = gguf.GGUFReader(path)
     t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K)

@@ -3,6 +3,7 @@ files."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -131,13 +132,19 @@ class GGUFIQ4NLFormat(GGUFTypeMixFormat, name="gguf:iq4_nl"):
     file_type = IQ4_NL
 
 
+@functools.lru_cache(maxsize=8)
+def _tensor_name_map(arch: gguf.MODEL_ARCH, n_layers: int) -> gguf.TensorNameMap:
+    """gguf-py's HF -> GGUF name map (building one takes a while: asked once per tensor)."""
+    return gguf.get_tensor_name_map(arch, n_layers)
+
+
 def tensor_facts(module: str, in_features: int, cfg: dict, calibrated: bool) -> TensorFacts:
     """What llama.cpp's type choice sees of the tensor of HF module ``module`` (a linear,
     ``lm_head`` or the embedding)."""
     spec = arch_spec(cfg)
     n_layers = int(cfg["num_hidden_layers"])
-    name = gguf.get_tensor_name_map(spec.arch, n_layers).get_name(module + ".weight",
-                                                                  try_suffixes=(".weight",))
+    name = _tensor_name_map(spec.arch, n_layers).get_name(module + ".weight",
+                                                          try_suffixes=(".weight",))
     if name is None:
         raise CpuQuantError(f"gguf: {module} has no {spec.name} tensor name in llama.cpp")
     m = re.match(r"blk\.(\d+)\.", name)
