@@ -86,18 +86,21 @@ def _fit_no_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor, stored)
     # each end level, and the gap to its neighbour: a step of one level there
     ends = [(float(levels[0]), float(levels[0] - levels[1])),
             (float(levels[-1]), float(levels[-1] - levels[-2]))]
+    # For fixed codes the error is a quadratic in s, E(s) = Σdw² - 2sΣdwl + s²Σdl², exact at
+    # the candidate (its codes are the nearest) and an upper bound at the refit (re-rounding
+    # can only do better): one pass over the weights per candidate.
+    sw2 = (d * wb * wb).sum(-1, keepdim=True)
     for end, gap in ends:
         if end == 0:
             continue
         for step in LEVEL_STEPS:
             s = stored(extreme / (end + step * gap))
-            e, q = _err(wb, d, s, None, levels)
-            best.keep(e, s, None)
-            lq = levels[q.long()]
-            den = (d * lq * lq).sum(-1, keepdim=True)
-            s = stored(torch.where(den > 0, (d * wb * lq).sum(-1, keepdim=True)
-                                   / den.clamp_min(1e-30), s))
-            best.keep(_err(wb, d, s, None, levels)[0], s, None)
+            lq = levels[codes_for(wb, s, None, levels).long()]
+            swl = (d * wb * lq).sum(-1, keepdim=True)
+            sll = (d * lq * lq).sum(-1, keepdim=True)
+            best.keep(sw2 - 2 * s * swl + s * s * sll, s, None)
+            s = stored(torch.where(sll > 0, swl / sll.clamp_min(1e-30), s))
+            best.keep(sw2 - 2 * s * swl + s * s * sll, s, None)
     zero = wb.abs().amax(-1, keepdim=True) == 0
     return torch.where(zero, torch.zeros_like(best.s), best.s)
 
@@ -119,20 +122,25 @@ def _fit_with_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor, store
             z = z.clamp_max(0.0)
         return stored(s.clamp_min(0.0)), stored(z)
 
+    sw2 = (d * wb * wb).sum(-1, keepdim=True)
+
+    def quadratic(s, z, swl, sll, sl):
+        # E(s, z) for fixed codes (see _fit_no_min): exact at the candidate, a bound at the refit
+        return sw2 - 2 * s * swl - 2 * z * sdw + s * s * sll + 2 * s * z * sl + z * z * sd
+
     for step in LEVEL_STEPS:
         s, z = clamp((hi - lo) / (top + step), lo)
-        e, q = _err(wb, d, s, z, levels)
-        best.keep(e, s, z)
-        lq = levels[q.long()]
+        lq = levels[codes_for(wb, s, z, levels).long()]
         sl = (d * lq).sum(-1, keepdim=True)
         sll = (d * lq * lq).sum(-1, keepdim=True)
         swl = (d * wb * lq).sum(-1, keepdim=True)
+        best.keep(quadratic(s, z, swl, sll, sl), s, z)
         det = sd * sll - sl * sl
         ok = det.abs() > 1e-20 * (sd * sll).abs().clamp_min(1e-30)
         safe = torch.where(ok, det, torch.ones_like(det))
         s, z = clamp(torch.where(ok, (sd * swl - sl * sdw) / safe, s),
                      torch.where(ok, (sll * sdw - sl * swl) / safe, z))
-        best.keep(_err(wb, d, s, z, levels)[0], s, z)
+        best.keep(quadratic(s, z, swl, sll, sl), s, z)
     return best.s, best.z
 
 
