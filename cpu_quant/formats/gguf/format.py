@@ -74,7 +74,8 @@ class GGUFFormat(Format, name="gguf"):
 
     def verify_artifact(self, path: Path) -> tuple[list[Finding], int]:
         file = gguf_file_in(Path(path))
-        quantized = sum(t.tensor_type in quantized_types() for t in _open(file).tensors)
+        quantized = sum(t.tensor_type in quantized_types() and t.name != "token_embd.weight"
+                        for t in _open(file).tensors)  # the linears and the head
         return verify(file), quantized
 
     def inspect_artifact(self, path: Path) -> dict:
