@@ -387,9 +387,7 @@ class QuantizationRun:
         """Every check that can fail before work, the source opened and every linear planned."""
         settings = self.settings
         self.limits = self.checked or check_request(self.formats, settings)
-        if grid_format(self.formats) and self.team.world_size > 1:
-            raise CpuQuantError(f"--format {grid_format(self.formats).name} is written by one "
-                                "process (not --nproc or torchrun)")
+        check_own_grids(self.formats, self.team.world_size)
         self.layout = ",".join(f.name for f in self.formats)
         check_destination(self.dst, [self.src], self.overwrite)  # fail before any work
         # see MMAP_THRESHOLD: the low pin only where the user traded time for memory

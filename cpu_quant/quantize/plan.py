@@ -137,14 +137,18 @@ def plan_linear(name: str, in_features: int, out_features: int, group_size: int,
     return LinearPlan(name, in_features, out_features, True, g, reason)
 
 
-def check_own_grids(formats: list[Format]) -> None:
-    """A format with grids of its own is written in a run of its own: its results are not the
-    group grid every other format shares."""
+def check_own_grids(formats: list[Format], processes: int = 1) -> None:
+    """A format with grids of its own is written in a run of its own (its results are not the
+    group grid every other format shares) and by one process (the ranks exchange group-grid
+    results only)."""
     own = [f.name for f in formats if f.own_grids]
     if own and len(formats) > 1:
         raise CpuQuantError(f"--format {own[0]} quantizes every tensor on its own grid; write "
                             "it in a run of its own (not with "
                             + ", ".join(f.name for f in formats if f.name != own[0]) + ")")
+    if own and processes > 1:
+        raise CpuQuantError(f"--format {own[0]} is written by one process (not --nproc or "
+                            "torchrun)")
 
 
 def grid_format(formats: list[Format]) -> Format | None:

@@ -133,7 +133,24 @@ def test_rows_of_no_whole_block_are_refused_in_one_line() -> None:
 def test_a_type_mix_format_is_written_alone() -> None:
     with pytest.raises(CpuQuantError, match="in a run of its own"):
         check_own_grids([get_format("gguf:q4_k_m"), get_format("gptq")])
+    with pytest.raises(CpuQuantError, match="by one process"):
+        check_own_grids([get_format("gguf:q4_k_s")], processes=2)
     check_own_grids([get_format("gguf:q4_k_m")])
+    check_own_grids([get_format("gptq"), get_format("gguf")], processes=2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "gguf:q4_k_m,gptq"], "in a run of its own"),
+    (["--format", "gguf:iq4_nl", "--nproc", "2"], "by one process"),
+])
+def test_the_command_refuses_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    from tests.conftest import run_cli
+
+    proc = run_cli("gptq", str(tmp_path / "missing-src"), str(tmp_path / "out"), *args,
+                   check=False, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
 
 
 # -- a written file ------------------------------------------------------------------------------
