@@ -245,3 +245,57 @@ def test_nearest_level_is_the_nearest(name: str) -> None:
     brute = (t.unsqueeze(-1) - levels).abs().argmin(-1)
     assert torch.equal(nearest_level(t, levels).long(), brute)
     assert int(nearest_level(torch.tensor([float("nan")]), levels)) == 0
+
+
+# -- against llama.cpp's style of search ------------------------------------------------------------
+def _llama_style_no_min(wb: torch.Tensor, d: torch.Tensor, levels: torch.Tensor,
+                        shifts: list[float]) -> torch.Tensor:
+    """The search of ggml's ``make_qx_quants`` as its comments describe it, written here from
+    that description (float64): the block's signed extreme mapped onto the lowest level shifted
+    by each of ``shifts`` (in level units), each candidate's nearest codes refitted by weighted
+    least squares, the best weighted error kept. Per-block scales [..., 1]."""
+    wb, d, lv = wb.double(), d.double(), levels.double()
+    ext = torch.gather(wb, -1, wb.abs().argmax(-1, keepdim=True))
+    best_s = ext / lv[0]
+    best_e = torch.full_like(best_s, torch.inf)
+    for shift in shifts:
+        s = ext / (lv[0] - shift)
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        q = (wb / s).unsqueeze(-1).sub(lv).abs().argmin(-1)
+        lq = lv[q]
+        sll = (d * lq * lq).sum(-1, keepdim=True)
+        s = torch.where(sll > 0, (d * wb * lq).sum(-1, keepdim=True) / sll.clamp_min(1e-300), s)
+        e = (d * (wb - s * lq) ** 2).sum(-1, keepdim=True)
+        better = e < best_e
+        best_e, best_s = torch.where(better, e, best_e), torch.where(better, s, best_s)
+    return best_s
+
+
+def _llama_style(w: torch.Tensor, d: torch.Tensor, name: str) -> BlockQuant:
+    """llama.cpp's style for the block types without mins or sub-scales: ``make_qx_quants``'
+    shifts of ±0.9 level in steps of 0.1 (IQ4_NL: ±7 units of its table, its own loop), the
+    scale then stored as float16 and every weight given its nearest level."""
+    grid = GRIDS[name]
+    n, k = w.shape
+    b = grid.block
+    wb = w.reshape(n, k // b, b)
+    db = d.reshape(1, k // b, b).expand_as(wb)
+    shifts = [float(i) for i in range(-7, 8)] if name == "IQ4_NL" else [0.1 * i for i in range(-9, 10)]
+    s = fp16_exact(_llama_style_no_min(wb, db, grid.level_tensor, shifts).float())
+    fixed = BlockScales(grid, s.squeeze(-1), None, None, None)
+    return BlockQuant(codes_for(wb, s, None, grid.level_tensor).reshape(n, k), fixed)
+
+
+@pytest.mark.parametrize("name", ["IQ4_NL", "Q5_0", "Q8_0"])
+def test_the_fit_is_at_least_as_good_as_llama_cpps_style_of_search(name: str) -> None:
+    """Σ d (w - ŵ)² of our fit against llama.cpp's style of search given the same importance
+    (its candidates and refits, written from ggml's description; float64): ours no worse, on a
+    layer with outliers and a skewed importance (measured: 0.83 for IQ4_NL, 0.93 for Q5_0, 0.95
+    for Q8_0: our candidates reach further into clipping)."""
+    k = 1024
+    w = _weights(64, k, seed=11)
+    d = torch.rand(k, generator=torch.Generator().manual_seed(12)) ** 4 * 100 + 0.01
+    ours = _weighted(w, quantize_block_rtn(w, GRIDS[name], d).dequantize(), d)
+    theirs = _weighted(w, _llama_style(w, d, name).dequantize(), d)
+    print(f"{name}: ours / llama.cpp's style {ours / theirs:.3f}")
+    assert ours <= theirs
