@@ -239,6 +239,41 @@ def test_a_non_finite_block_scale_is_refused(k_model: Path, tmp_path: Path, one_
     assert [f.check for f in errors] == ["gguf-scale"] and t.name == errors[0].tensor
 
 
+def test_a_calibrated_run_writes_every_tensor_on_its_type(tiny_llama: Path, tmp_path: Path) -> None:
+    """``cpu-quant gptq --format gguf:q4_k_m`` on the tiny model (tied head, K = 64 and 128:
+    the mix falls back to Q5_0 and Q8_0): the plan gives every tensor its type, the head and
+    the embedding included, and every tensor reads back through gguf-py as our unpack does."""
+    from tests.conftest import run_cli
+
+    dst = tmp_path / "out"
+    run_cli("gptq", str(tiny_llama), str(dst), "--samples", "4", "--seqlen", "32", "--no-eval",
+            "--format", "gguf:q4_k_m", timeout=900)
+    fmt = get_format("gguf:q4_k_m")
+    path = dst / f"{tiny_llama.name}-Q4_K_M.gguf"
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    modules = gguf_reader._hf_module_names(arch_spec(cfg), cfg["num_hidden_layers"])
+    modules["token_embd.weight"] = "model.embed_tokens"
+    back = gguf_reader.unpack(path)
+    seen = Counter()
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name not in modules:
+            continue
+        assert t.tensor_type == fmt.tensor_type(modules[t.name], int(t.shape[0]), cfg, True)
+        seen[t.tensor_type.name] += 1
+        if modules[t.name] in back:
+            theirs = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type))
+            theirs = gguf_reader._undo_rows(arch_spec(cfg), cfg, modules[t.name], theirs)
+            ours = back[modules[t.name]].dequantize()
+            assert torch.equal(theirs.view(torch.int32), ours.view(torch.int32)), t.name
+    n = cfg["num_hidden_layers"]
+    assert sum(seen.values()) == 7 * n + 2  # the linears, the head and the embedding
+    assert set(seen) == {"Q5_0", "Q8_0"}
+    assert [f for f in gguf_reader.verify(path, cfg) if f.severity == "error"] == []
+    report = json.loads((dst / f"{tiny_llama.name}-Q4_K_M.quantization_report.json").read_text())
+    groups = {t["name"]: t["group_size"] for t in report["tensors"]}
+    assert groups["lm_head"] == 32 and groups["model.embed_tokens"] == 32
+
+
 # -- e2e: the demo model in real llama.cpp ---------------------------------------------------------
 def _torch_model_from_gguf(path: Path, src: Path):
     """The source model in float32 holding exactly the file's weights: every quantized tensor
