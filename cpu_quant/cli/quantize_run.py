@@ -307,9 +307,11 @@ def run_quantize_command(src: str | None, dst: str | None, formats: list, symmet
             raise CpuQuantError(f"--nproc {nproc} in a process started as one of {local} ranks: "
                                 "--nproc starts the ranks itself; under torchrun leave it out")
     elif nproc is not None and nproc > 1:
+        from ..quantize.plan import check_own_grids
         from .launcher import check_nproc, launch_ranks
 
         check_nproc(nproc, opts["samples"], opts["batch_size"], opts["calib"] != "none")
+        check_own_grids(formats, nproc)
 
         sys.exit(launch_ranks(nproc, sys.argv[1:], opts["threads"]))
     with joined(timeout) as team:

@@ -2,7 +2,9 @@
 
 * ``gptq``: GPTQ v1 safetensors for vLLM's CPU kernels (and GPTQModel, transformers/optimum);
 * ``cpu_int4``: portable nibbles for PyTorch's tinygemm CPU kernel, repacked at load;
-* ``gguf``: a llama.cpp GGUF file with Q4_0 blocks, the same grid as ``gptq``.
+* ``gguf``: a llama.cpp GGUF file with Q4_0 blocks, the same grid as ``gptq``;
+* ``gguf:q4_k_m``, ``gguf:q4_k_s``, ``gguf:iq4_nl``: llama.cpp's file types, each tensor on
+  the type llama.cpp gives it (``gguf/mix.py``), quantized on that type's grid.
 
 Each module owns its byte layout (its docstring), ``pack``/``unpack``, the tensor specs
 ``verify`` checks, the config or metadata it writes, and its limits. Nothing outside this

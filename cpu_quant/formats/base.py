@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..core.block_grid import BlockGrid, BlockQuant
 from ..core.errors import CpuQuantError
 from ..core.grid import GroupQuant
 from .sink import ArtifactInfo, Sink
@@ -151,6 +152,9 @@ class Format:
     legacy_config_file: ClassVar[str | None] = None
     # the rows of probe's decision table that choose this format (``format`` left unset)
     probe_rules: ClassVar[tuple[ProbeRule, ...]] = ()
+    # True: the format stores tensors on grids of its own (:meth:`tensor_grid`), so its results
+    # are not the run's group grid and it is written in a run of its own
+    own_grids: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -203,6 +207,14 @@ class Format:
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written in this format, or None
         (checked before any work)."""
+        return None
+
+    def tensor_grid(self, module: str, in_features: int, source_config: dict,
+                    calibrated: bool) -> BlockGrid | None:
+        """The block grid this format stores the tensor ``module`` (a linear, the head
+        ``lm_head`` or the embedding ``model.embed_tokens``) on, for a source of
+        ``source_config``; None: the run's group grid (or, for the embedding, not quantized).
+        The plan asks it (``quantize/plan.py``)."""
         return None
 
     def refuse_grid(self, symmetric: bool) -> str | None:
@@ -290,7 +302,7 @@ class SinkSet:
         self.sinks = {f.name: f.open_sink(self.directories[f.name], n_layers, resume.get(f.name))
                       for f in formats}
 
-    def add_module(self, module: str, gq: GroupQuant) -> int:
+    def add_module(self, module: str, gq: GroupQuant | BlockQuant) -> int:
         """Hand one result to every sink; the bytes the first format stores."""
         stored = [sink.add_module(module, gq) for sink in self.sinks.values()]
         return stored[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.block_grid import BlockQuant
 from ..core.grid import GroupQuant
 
 
@@ -30,8 +31,9 @@ class Sink:
     """Where one format's share of a run goes. ``end_layer`` persists what it has so far (the
     run's resume point names it in ``state()``); ``finish`` writes the rest."""
 
-    def add_module(self, module: str, gq: GroupQuant) -> int:
-        """Take one quantized linear; return the bytes it stores."""
+    def add_module(self, module: str, gq: GroupQuant | BlockQuant) -> int:
+        """Take one quantized linear (a :class:`BlockQuant` only for a format with grids of
+        its own: ``Format.own_grids``); return the bytes it stores."""
         raise NotImplementedError
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> int:

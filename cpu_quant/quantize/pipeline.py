@@ -59,7 +59,18 @@ from .clock import PhaseClock
 from .distributed import NoSinks, RankLost, Team
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
-from .plan import LinearPlan, check_group, dynamic_overrides, head_group, linear_group, plan_linear
+from .plan import (
+    LinearPlan,
+    check_group,
+    check_own_grids,
+    dynamic_overrides,
+    embedding_plan,
+    grid_format,
+    head_group,
+    linear_group,
+    on_format_grid,
+    plan_linear,
+)
 from .provenance import provenance
 from .resume import (
     STATE_FILE,
@@ -111,6 +122,7 @@ def check_request(formats: list[Format], settings: QuantSettings) -> Limits:
     the command line calls it before it resolves the source and hands the limits to
     :func:`quantize_checkpoint`, which then does not check again."""
     settings.validate()
+    check_own_grids(formats)
     for fmt in formats:
         why = fmt.refuse_grid(settings.symmetric)
         if why:
@@ -158,6 +170,16 @@ class LayerQuantizer:
             self.state.tensors.append(asdict(trep))
             self.state.account(gq, self.add_module(name, gq))
             linears[name].weight.data = gq.dequantize().to(linears[name].weight.dtype)
+
+    def _quantize_alone(self, weight: torch.Tensor, plan: LinearPlan,
+                        hessian: torch.Tensor | None) -> None:
+        """Quantize one tensor outside the layers (the head, an embedding on its format's
+        grid) and hand it to the sinks under its module name."""
+        with self.clock.phase("quantize"):
+            [(gq, trep)] = quantize_linears([QuantJob(weight, plan, hessian)], self.settings,
+                                            self.grid, self.team.rows)
+        self.state.tensors.append(asdict(trep))
+        self.state.account(gq, self.add_module(plan.name, gq))
 
     def layer(self, i: int, plans: dict[str, LinearPlan], hidden) -> Iterable[torch.Tensor] | None:
         """Quantize layer ``i``; its outputs (lazily; None without calibration).
@@ -211,13 +233,18 @@ class LayerQuantizer:
                 self.add_tensor(pname, self.ckpt.tensor(pname).to(torch.bfloat16))
         return outputs
 
-    def outer(self, hidden: list[torch.Tensor], head_plan: LinearPlan) -> None:
-        """Embedding and norms (bf16), and the output head, quantized with the Hessian of the
-        final normed hidden state."""
-        stream, ckpt, settings = self.stream, self.ckpt, self.settings
+    def outer(self, hidden: list[torch.Tensor], head_plan: LinearPlan,
+              embed_plan: LinearPlan) -> None:
+        """Embedding (bf16, or on its format's grid) and norms (bf16), and the output head,
+        quantized with the Hessian of the final normed hidden state."""
+        stream, ckpt = self.stream, self.ckpt
         prefix = stream.layers_prefix + "."
+        embed_weight = embed_plan.name + ".weight" if embed_plan.quantize else None
         for name in ckpt.names:
             if name.startswith(prefix) or name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == embed_weight:
+                self._quantize_alone(ckpt.tensor(name, check_finite=True), embed_plan, None)
                 continue
             self.add_tensor(name, ckpt.tensor(name).to(torch.bfloat16))
         if isinstance(ckpt, smoothing_factors.SmoothedCheckpoint) and head_plan.quantize:
@@ -236,31 +263,36 @@ class LayerQuantizer:
                         acc_h.add(self.product(x), x.shape[0])
                 hess = acc_h.hessian()
             kill_point("head")
-            with self.clock.phase("quantize"):
-                [(gq, trep)] = quantize_linears([QuantJob(head_w, head_plan, hess)], settings,
-                                                self.grid, self.team.rows)
-            self.state.tensors.append(asdict(trep))
-            self.state.account(gq, self.add_module(HEAD_NAME, gq))
+            self._quantize_alone(head_w, head_plan, hess)
         elif "lm_head.weight" in ckpt.names:
             self.add_tensor("lm_head.weight", head_w.to(torch.bfloat16))
 
 
-def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits
-               ) -> tuple[list[dict[str, LinearPlan]], LinearPlan]:
-    """Every linear's plan (per layer) and the head's, from the shapes alone: a group the
-    formats refuse (``--strict-group``) is refused before any work, not after the layers."""
+def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits,
+               formats: list[Format] | None = None
+               ) -> tuple[list[dict[str, LinearPlan]], LinearPlan, LinearPlan]:
+    """Every linear's plan (per layer), the head's and the embedding's, from the shapes
+    alone: a group the formats refuse (``--strict-group``) is refused before any work, not
+    after the layers; a format with grids of its own gives each tensor its grid."""
+    own = grid_format(formats or [])
+    cfg, calibrated = stream.ckpt.config, not settings.data_free
+
     def plan(name: str, m) -> LinearPlan:
         group, flag = linear_group(name, settings, limits)
-        return plan_linear(name, m.in_features, m.out_features, group, settings.strict_group,
-                           limits, flag=flag)
+        return on_format_grid(plan_linear(name, m.in_features, m.out_features, group,
+                                          settings.strict_group, limits, flag=flag),
+                              own, cfg, calibrated)
 
     layers = [{name: plan(name, m) for name, m in stream.linears(i).items()}
               for i in range(stream.n_layers)]
     vocab, hidden_size = stream.ckpt.shape(stream.head_weight_name())
     group, flag = head_group(settings, hidden_size, limits)
-    head = plan_linear(HEAD_NAME, hidden_size, vocab, group, settings.strict_group, limits,
-                       quantize=settings.quantize_head, flag=flag)
-    return layers, head
+    head = on_format_grid(plan_linear(HEAD_NAME, hidden_size, vocab, group, settings.strict_group,
+                                      limits, quantize=settings.quantize_head, flag=flag),
+                          own, cfg, calibrated)
+    embedding = embedding_plan(stream.embedding_weight_name().removesuffix(".weight"),
+                               hidden_size, vocab, own, cfg, calibrated)
+    return layers, head, embedding
 
 
 def _quantization_extra(settings: QuantSettings, version: str) -> dict:
@@ -355,6 +387,7 @@ class QuantizationRun:
         """Every check that can fail before work, the source opened and every linear planned."""
         settings = self.settings
         self.limits = self.checked or check_request(self.formats, settings)
+        check_own_grids(self.formats, self.team.world_size)
         self.layout = ",".join(f.name for f in self.formats)
         check_destination(self.dst, [self.src], self.overwrite)  # fail before any work
         # see MMAP_THRESHOLD: the low pin only where the user traded time for memory
@@ -377,7 +410,8 @@ class QuantizationRun:
             raise CpuQuantError(why)
         self.ckpt = ckpt
         self.stream = LayerStream(ckpt)
-        self.layer_plans, self.head_plan = plan_model(self.stream, settings, self.limits)
+        self.layer_plans, self.head_plan, self.embed_plan = plan_model(
+            self.stream, settings, self.limits, self.formats)
 
     def calibrate(self) -> None:
         t_calib = time.perf_counter()
@@ -532,7 +566,7 @@ class QuantizationRun:
         """The outer tensors and the output head, then the report's totals."""
         t0 = time.perf_counter()
         self.where["phase"] = "the output head"
-        self.quantizer.outer(self.hidden, self.head_plan)
+        self.quantizer.outer(self.hidden, self.head_plan, self.embed_plan)
         self.team.end_layer("head")
         with self.quantizer.clock.phase("write"):
             self.sinks.end_layer(self.stream.n_layers)

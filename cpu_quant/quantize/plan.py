@@ -15,7 +15,11 @@ Rules, in the spirit of llama.cpp's ``llama_tensor_get_type``:
   it (``--strict-group`` refuses instead); ``-1`` (one group per row) when nothing divides and
   the formats store it;
 * a linear whose in- or out-features is not a multiple the formats' kernels need stays bf16.
-  It is recorded as a negative ``dynamic`` rule so vLLM leaves it unquantized.
+  It is recorded as a negative ``dynamic`` rule so vLLM leaves it unquantized;
+* a format with grids of its own (``Format.own_grids``: a GGUF of one of llama.cpp's file
+  types) is asked each tensor's grid (``Format.tensor_grid``): every quantized linear and the
+  head take it (:func:`on_format_grid`), and the embedding is quantized on its grid too when
+  the format gives it one (:func:`embedding_plan`). Such a format is written alone.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.block_grid import BlockGrid
 from ..core.errors import CpuQuantError
 from ..core.naming import DOWN_LEAF, VLLM_FUSED
-from ..formats.base import Limits
+from ..formats.base import Format, Limits
 
 if TYPE_CHECKING:
     from .settings import QuantSettings
@@ -52,6 +57,7 @@ class LinearPlan:
     quantize: bool
     group_size: int  # -1 = one group per row
     reason: str = ""
+    grid: BlockGrid | None = None  # the format's own grid (then group_size is its block)
 
     @property
     def effective_group(self) -> int:
@@ -129,6 +135,46 @@ def plan_linear(name: str, in_features: int, out_features: int, group_size: int,
                           f"{limits.n_multiple}x{limits.k_multiple}")
     g, reason = choose_group(name, in_features, group_size, strict_group, limits, flag)
     return LinearPlan(name, in_features, out_features, True, g, reason)
+
+
+def check_own_grids(formats: list[Format], processes: int = 1) -> None:
+    """A format with grids of its own is written in a run of its own (its results are not the
+    group grid every other format shares) and by one process (the ranks exchange group-grid
+    results only)."""
+    own = [f.name for f in formats if f.own_grids]
+    if own and len(formats) > 1:
+        raise CpuQuantError(f"--format {own[0]} quantizes every tensor on its own grid; write "
+                            "it in a run of its own (not with "
+                            + ", ".join(f.name for f in formats if f.name != own[0]) + ")")
+    if own and processes > 1:
+        raise CpuQuantError(f"--format {own[0]} is written by one process (not --nproc or "
+                            "torchrun)")
+
+
+def grid_format(formats: list[Format]) -> Format | None:
+    """The (one) requested format with grids of its own, or None."""
+    return next((f for f in formats if f.own_grids), None)
+
+
+def on_format_grid(plan: LinearPlan, fmt: Format | None, source_config: dict,
+                   calibrated: bool) -> LinearPlan:
+    """``plan`` on the grid ``fmt`` stores its tensor on, when it has one."""
+    if fmt is None or not plan.quantize:
+        return plan
+    grid = fmt.tensor_grid(plan.name, plan.in_features, source_config, calibrated)
+    if grid is None:
+        return plan
+    return LinearPlan(plan.name, plan.in_features, plan.out_features, True, grid.block, "", grid)
+
+
+def embedding_plan(name: str, hidden_size: int, vocab: int, fmt: Format | None,
+                   source_config: dict, calibrated: bool) -> LinearPlan:
+    """The embedding (module ``name``): quantized (round-to-nearest: a lookup table has no
+    Hessian) only on a grid its format gives it; else kept as it is."""
+    grid = None if fmt is None else fmt.tensor_grid(name, hidden_size, source_config, calibrated)
+    if grid is None:
+        return LinearPlan(name, hidden_size, vocab, False, -1, "the embedding stays bf16")
+    return LinearPlan(name, hidden_size, vocab, True, grid.block, "", grid)
 
 
 def _role(name: str) -> tuple[str, str | None]:

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ..core.block_grid import BlockQuant
 from ..core.errors import CpuQuantError
 from ..core.grid import GroupQuant
 from ..core.io.artifact import StagedOutput
@@ -166,11 +167,14 @@ class RunState:
     true_sequential_layers: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
-    def account(self, gq: GroupQuant, stored_bytes: int) -> None:
+    def account(self, gq: GroupQuant | BlockQuant, stored_bytes: int) -> None:
         n, k = gq.codes.shape
         self.n_weights += n * k
-        zeros = 0 if gq.zeros is None else gq.zeros.numel() * 16
-        self.bits_codes += n * k * 4 + gq.scales.numel() * 16 + zeros
+        if isinstance(gq, BlockQuant):  # codes and scales are exactly what its type stores
+            self.bits_codes += stored_bytes * 8
+        else:
+            zeros = 0 if gq.zeros is None else gq.zeros.numel() * 16
+            self.bits_codes += n * k * 4 + gq.scales.numel() * 16 + zeros
         self.bits_disk += stored_bytes * 8
 
 

@@ -18,8 +18,10 @@ from typing import Protocol
 
 import torch
 
+from ..core.block_grid import BlockQuant
 from ..core.errors import CpuQuantError
 from ..core.grid import GroupQuant
+from .block_fit import quantize_block_gptq, quantize_block_rtn
 from .gptq import (
     GPTQStats,
     GridSpec,
@@ -102,22 +104,32 @@ class QuantJob:
     hessian: torch.Tensor | None
 
 
-def _quantize_rows(w: torch.Tensor, group_size: int, hessian: torch.Tensor | None,
+def _quantize_rows(w: torch.Tensor, plan: LinearPlan, hessian: torch.Tensor | None,
                    settings: QuantSettings, grid: GridSpec, prep: HessianPrep | None):
+    """Rows of one stack on the run's group grid, or on the plan's own block grid."""
+    if plan.grid is not None:
+        if prep is not None:
+            return quantize_block_gptq(w, prep, plan.grid, act_order=settings.act_order)
+        importance = None if hessian is None else torch.diag(hessian)
+        return quantize_block_rtn(w, plan.grid, importance), None
     if prep is not None:
-        return quantize_gptq(w, prep, group_size, grid, act_order=settings.act_order)
+        return quantize_gptq(w, prep, plan.group_size, grid, act_order=settings.act_order)
     importance = None if hessian is None else torch.diag(hessian)
-    return quantize_rtn(w, group_size, grid, importance), None
+    return quantize_rtn(w, plan.group_size, grid, importance), None
 
 
-def _rows(gq: GroupQuant, a: int, b: int) -> GroupQuant:
+def _rows(gq: GroupQuant | BlockQuant, a: int, b: int) -> GroupQuant | BlockQuant:
+    if isinstance(gq, BlockQuant):
+        return gq.rows(a, b)
     return GroupQuant(gq.codes[a:b], gq.scales[a:b], None if gq.zeros is None else gq.zeros[a:b],
                       gq.group_size)
 
 
-def _cat(parts: list[GroupQuant]) -> GroupQuant:
+def _cat(parts: list) -> GroupQuant | BlockQuant:
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0], BlockQuant):
+        return BlockQuant.cat(parts)
     return GroupQuant(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                       None if parts[0].zeros is None else torch.cat([p.zeros for p in parts]),
                       parts[0].group_size)
@@ -163,7 +175,8 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     """
     stacks: dict[tuple, list[int]] = {}
     for j, job in enumerate(jobs):
-        key = (id(job.hessian), job.plan.group_size, job.weight.shape[1], job.weight.dtype)
+        key = (id(job.hessian), job.plan.group_size, job.plan.grid, job.weight.shape[1],
+               job.weight.dtype)
         stacks.setdefault(key, []).append(j)
     stacked = [(members, jobs[members[0]], torch.cat([jobs[j].weight for j in members])
                 if len(members) > 1 else jobs[members[0]].weight) for members in stacks.values()]
@@ -185,8 +198,8 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     def run(piece: Piece):
         _, lead, w = stacked[piece.stack]
         prep = None if lead.hessian is None else preps.get(id(lead.hessian))
-        gq, _ = _quantize_rows(w[piece.r0:piece.r1], lead.plan.group_size, lead.hessian,
-                               settings, grid, prep)
+        gq, _ = _quantize_rows(w[piece.r0:piece.r1], lead.plan, lead.hessian, settings, grid,
+                               prep)
         return piece, gq
 
     order = sorted(mine, key=size, reverse=True)

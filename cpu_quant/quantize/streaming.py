@@ -132,11 +132,14 @@ class LayerStream:
     def head_weight_name(self) -> str:
         if "lm_head.weight" in self.ckpt.names:
             return "lm_head.weight"
+        return self.embedding_weight_name()
+
+    def embedding_weight_name(self) -> str:
         emb = self.model.get_input_embeddings()
         for n, m in self.model.named_modules():
             if m is emb:
                 return n + ".weight"
-        raise CpuQuantError("cannot find the output head weight")
+        raise CpuQuantError("cannot find the input embedding weight")
 
     def final_norm(self) -> nn.Module:
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model

@@ -167,7 +167,8 @@ def test_inspect_summary(tiny_files) -> None:
     path, quant, _ = tiny_files["llama"]
     s = gguf_reader.inspect(path)
     assert s["architecture"] == "llama" and s["types"]["Q4_0"] == len(quant)
-    assert s["q4_0_bits_per_weight"] == 4.5 and s["file_bytes"] == path.stat().st_size
+    assert s["layer_bits_per_weight"] == 4.5 and s["file_type"] == "Q4_0"
+    assert s["file_bytes"] == path.stat().st_size
 
 
 # -- damaged files -------------------------------------------------------------------------------

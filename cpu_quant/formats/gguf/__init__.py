@@ -1,4 +1,9 @@
-"""A llama.cpp GGUF file with Q4_0 blocks: the symmetric grid of ``gptq``, read by ``llama-cli -m``.
+"""llama.cpp GGUF files, read by ``llama-cli -m``: ``gguf`` (Q4_0 blocks, the symmetric grid of
+``gptq``; this docstring) and llama.cpp's file types ``gguf:q4_k_m``, ``gguf:q4_k_s``,
+``gguf:iq4_nl`` (``format.GGUFTypeMixFormat``): every tensor on the type ``llama-quantize``
+gives it (``mix.py``), each type a module owning its byte layout (``q4_k.py``, ``q5_k.py``,
+``q6_k.py``, ``iq4_nl.py``, ``q5_0.py``, ``q5_1.py``, ``q8_0.py``; ``blocks.py`` their
+registry), the file named ``<model>-<TYPE>.gguf`` and laid out as below otherwise.
 
 Every llama.cpp command that runs the file, whether cpu-quant runs it or prints it for a user,
 comes from :func:`llama_cpp_command`, which turns llama.cpp's weight repacking off
@@ -46,14 +51,15 @@ biases (Qwen2's q/k/v)      F32    what the converter writes
 a linear kept float         BF16   exact: the plan keeps one float only when K % 32 != 0
 ==========================  =====  ==========================================================
 
-Metadata: ``general.architecture`` and ``{arch}.*`` hyperparameters, ``general.file_type = 2``
-(MOSTLY_Q4_0), the tokenizer (``tokenizer.ggml.model = gpt2``, tokens, token types, merges,
-special ids, ``add_bos_token``, the pre-tokenizer name from :data:`PRE_TOKENIZERS`) and the chat
-template, and ``cpu_quant.*`` provenance (group, head_quantized).
+Metadata: ``general.architecture`` and ``{arch}.*`` hyperparameters, ``general.file_type``
+(2, MOSTLY_Q4_0, for ``gguf``; the file type's own for the others), the tokenizer
+(``tokenizer.ggml.model = gpt2``, tokens, token types, merges, special ids,
+``add_bos_token``, the pre-tokenizer name from :data:`PRE_TOKENIZERS`) and the chat template,
+and ``cpu_quant.*`` provenance (group, head_quantized).
 
 While a run is going, each ``end_layer`` writes ``.gguf-parts/part-XXXXX.safetensors``: the
-layer's Q4_0 blocks as uint8 [N, K/32 * 18] under their Hugging Face names and its float tensors
-as given (bf16). ``finish`` maps names, permutes, converts and streams everything into
+layer's quantized blocks as uint8 [N, bytes per row] under their Hugging Face names and its
+float tensors as given (bf16). ``finish`` maps names, permutes, converts and streams everything into
 ``<model>-Q4_0.gguf.partial``, renames it into place and deletes the parts.
 """
 

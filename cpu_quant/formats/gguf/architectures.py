@@ -122,6 +122,5 @@ def _write_hyperparameters(w: gguf.GGUFWriter, spec: ArchSpec, cfg: dict) -> Non
     if cfg.get("head_dim") is not None:  # as the converter: whenever config.json states it
         w.add_key_length(int(cfg["head_dim"]))
         w.add_value_length(int(cfg["head_dim"]))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     if spec.extra_keys is not None:
         spec.extra_keys(w, cfg)

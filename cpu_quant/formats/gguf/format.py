@@ -3,15 +3,23 @@ files."""
 
 from __future__ import annotations
 
+import functools
+import re
 import shlex
 from pathlib import Path
+from typing import ClassVar
 
+import gguf
+
+from ...core.block_grid import BlockGrid
 from ...core.errors import CpuQuantError
 from ...core.findings import Finding
 from ..base import Format, Limits, Serving
 from .architectures import arch_spec
-from .q4_0 import BLOCK, Q4_0, pack_q4_0, unpack_q4_0
-from .reader import _open, gguf_file_in, inspect, unpack, verify
+from .block_types import QUANT_TYPES
+from .mix import IQ4_NL, Q4_K_M, Q4_K_S, FileType, TensorFacts, chosen_type
+from .q4_0 import BLOCK, pack_q4_0, unpack_q4_0
+from .reader import _open, gguf_file_in, inspect, quantized_types, unpack, verify
 from .sink import GGUFSink
 
 # On a CPU with AMX, llama.cpp (the vendored 0.3.36 build and upstream alike; llama.cpp #20824,
@@ -37,6 +45,8 @@ class GGUFFormat(Format, name="gguf"):
     """llama.cpp's GGUF with Q4_0 linears (see the module docstring for the layout)."""
 
     summary = "llama.cpp, Q4_0"
+    file_suffix: ClassVar[str] = "-Q4_0.gguf"  # <model><suffix>
+    llama_file_type: ClassVar[gguf.LlamaFileType] = gguf.LlamaFileType.MOSTLY_Q4_0
 
     limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=BLOCK, n_multiple=1,
                     stores_zeros=False, kernel="llama.cpp Q4_0")
@@ -64,7 +74,8 @@ class GGUFFormat(Format, name="gguf"):
 
     def verify_artifact(self, path: Path) -> tuple[list[Finding], int]:
         file = gguf_file_in(Path(path))
-        quantized = sum(t.tensor_type == Q4_0 for t in _open(file).tensors)
+        quantized = sum(t.tensor_type in quantized_types() and t.name != "token_embd.weight"
+                        for t in _open(file).tensors)  # the linears and the head
         return verify(file), quantized
 
     def inspect_artifact(self, path: Path) -> dict:
@@ -79,3 +90,66 @@ class GGUFFormat(Format, name="gguf"):
     unpack = staticmethod(unpack)
     verify = staticmethod(verify)
     inspect = staticmethod(inspect)
+
+
+class GGUFTypeMixFormat(GGUFFormat):
+    """A GGUF of one of llama.cpp's file types (:attr:`file_type`): every tensor on the type
+    ``llama-quantize`` gives it (``mix.py``), the linears GPTQ-quantized on that type's grid.
+    Its grids are its own, so it is written in a run of its own."""
+
+    file_type: ClassVar[FileType]
+    own_grids = True
+    # the run's group is not what these files store (each tensor takes its type's blocks), so
+    # any group is accepted; K a multiple of 32, the smallest block of every type here
+    limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=32, n_multiple=1,
+                    stores_zeros=False, kernel="llama.cpp")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.summary = f"llama.cpp, {cls.file_type.name}"
+        cls.file_suffix = f"-{cls.file_type.name}.gguf"
+        cls.llama_file_type = cls.file_type.llama_file_type
+
+    def tensor_type(self, module: str, in_features: int, source_config: dict,
+                    calibrated: bool) -> gguf.GGMLQuantizationType:
+        """The ggml type of the tensor of HF module ``module`` in this file type."""
+        return chosen_type(self.file_type, tensor_facts(module, in_features, source_config,
+                                                        calibrated))
+
+    def tensor_grid(self, module: str, in_features: int, source_config: dict,
+                    calibrated: bool) -> BlockGrid:
+        return QUANT_TYPES[self.tensor_type(module, in_features, source_config, calibrated)].grid
+
+
+class GGUFQ4KMFormat(GGUFTypeMixFormat, name="gguf:q4_k_m"):
+    file_type = Q4_K_M
+
+
+class GGUFQ4KSFormat(GGUFTypeMixFormat, name="gguf:q4_k_s"):
+    file_type = Q4_K_S
+
+
+class GGUFIQ4NLFormat(GGUFTypeMixFormat, name="gguf:iq4_nl"):
+    file_type = IQ4_NL
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_name_map(arch: gguf.MODEL_ARCH, n_layers: int) -> gguf.TensorNameMap:
+    """gguf-py's HF -> GGUF name map (building one takes a while: asked once per tensor)."""
+    return gguf.get_tensor_name_map(arch, n_layers)
+
+
+def tensor_facts(module: str, in_features: int, cfg: dict, calibrated: bool) -> TensorFacts:
+    """What llama.cpp's type choice sees of the tensor of HF module ``module`` (a linear,
+    ``lm_head`` or the embedding)."""
+    spec = arch_spec(cfg)
+    n_layers = int(cfg["num_hidden_layers"])
+    name = _tensor_name_map(spec.arch, n_layers).get_name(module + ".weight",
+                                                          try_suffixes=(".weight",))
+    if name is None:
+        raise CpuQuantError(f"gguf: {module} has no {spec.name} tensor name in llama.cpp")
+    m = re.match(r"blk\.(\d+)\.", name)
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    return TensorFacts(name, in_features, int(m.group(1)) if m else -1, n_layers, heads // kv,
+                       bool(cfg.get("tie_word_embeddings", False)), calibrated)

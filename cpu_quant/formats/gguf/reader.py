@@ -11,11 +11,34 @@ import gguf
 import numpy as np
 import torch
 
+from ...core.block_grid import BlockQuant
 from ...core.errors import CpuQuantError
 from ...core.findings import Finding, error, info
 from ...core.grid import GroupQuant
 from .architectures import ARCHITECTURES, LINEARS, ArchSpec, _head_dim, unpermute_rope_rows
+from .block_types import QUANT_TYPES
 from .q4_0 import BLOCK_BYTES, F32, Q4_0, unpack_q4_0
+
+
+def quantized_types() -> set[gguf.GGMLQuantizationType]:
+    """Every quantized type this package reads back: Q4_0 and the block types."""
+    return {Q4_0, *QUANT_TYPES}
+
+
+def unpack_tensor(qtype: gguf.GGMLQuantizationType, blocks: torch.Tensor) -> GroupQuant | BlockQuant:
+    """A quantized tensor's rows of bytes [N, bytes] -> its codes and scales."""
+    if qtype == Q4_0:
+        return unpack_q4_0(blocks)
+    return QUANT_TYPES[qtype].unpack(blocks)
+
+
+def _scales_finite(qtype: gguf.GGMLQuantizationType, blocks: np.ndarray) -> int:
+    """How many stored float16 scales and mins of a quantized tensor are not finite."""
+    if qtype == Q4_0:
+        d = blocks.reshape(-1, BLOCK_BYTES)[:, :2].copy().view(np.float16)
+        return int((~np.isfinite(d)).sum())
+    fixed = QUANT_TYPES[qtype].unpack(torch.from_numpy(blocks.reshape(1, -1).copy())).fixed
+    return sum(int((~torch.isfinite(t)).sum()) for t in (fixed.d, fixed.dmin) if t is not None)
 
 
 def _field_value(reader: gguf.GGUFReader, key: str):
@@ -60,20 +83,21 @@ def _undo_rows(spec: ArchSpec, cfg: dict, module: str, rows: torch.Tensor) -> to
     return rows
 
 
-def unpack(path: Path) -> dict[str, GroupQuant]:
-    """Every Q4_0 linear of a GGUF file, by HF module name, as group-32 :class:`GroupQuant`
-    in Hugging Face row order (llama's rope permutation undone). Compare with the quantizer's
-    result through :func:`as_blocks_of_32` (a group of 128 reads back as four blocks of 32)."""
+def unpack(path: Path) -> dict[str, GroupQuant | BlockQuant]:
+    """Every quantized linear of a GGUF file, by HF module name, in Hugging Face row order
+    (llama's rope permutation undone): Q4_0 as a group-32 :class:`GroupQuant` (compare with
+    the quantizer's result through :func:`as_blocks_of_32`: a group of 128 reads back as four
+    blocks of 32), the block types as a :class:`BlockQuant`."""
     reader = _open(Path(path))
     spec, cfg = _reader_config(reader)
     modules = _hf_module_names(spec, cfg["num_hidden_layers"])
     out = {}
     for t in reader.tensors:
-        if t.tensor_type != Q4_0 or t.name not in modules:
+        if t.tensor_type not in quantized_types() or t.name not in modules:
             continue
         blocks = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
         module = modules[t.name]
-        out[module] = unpack_q4_0(_undo_rows(spec, cfg, module, blocks))
+        out[module] = unpack_tensor(t.tensor_type, _undo_rows(spec, cfg, module, blocks))
     return out
 
 
@@ -135,7 +159,8 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
 
     Magic and version; the tensors llama.cpp needs for the architecture, each with the right
     shape (against ``source_config`` when given, else the file's own hyperparameters) and type
-    (Q4_0 for linears, F32 for norms); every Q4_0 ``d`` finite; the metadata keys present; and
+    (F32 for norms); every stored float16 scale and min of a quantized tensor (Q4_0 and the
+    block types) finite; the metadata keys present; and
     that the data ends where the file does (a truncated file is refused).
     """
     path = Path(path)
@@ -167,36 +192,50 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
             found.append(error("gguf-shape", name, f"shape {got}, expected {shape}"))
         if name.endswith("norm.weight") and t.tensor_type != F32:
             found.append(error("gguf-type", name, f"{t.tensor_type.name}, expected F32"))
-        if t.tensor_type == Q4_0:
-            d = np.ascontiguousarray(t.data).reshape(-1, BLOCK_BYTES)[:, :2].copy().view(np.float16)
-            if not np.isfinite(d).all():
-                found.append(error("gguf-scale", name, f"{int((~np.isfinite(d)).sum())} non-finite d"))
+        if t.tensor_type in quantized_types():
+            bad = _scales_finite(t.tensor_type, np.ascontiguousarray(t.data))
+            if bad:
+                found.append(error("gguf-scale", name, f"{bad} non-finite scale(s) "
+                                                       f"({t.tensor_type.name})"))
     for t in reader.tensors:
         end = max(end, int(t.data_offset) + int(t.n_bytes))
     if end > path.stat().st_size:
         found.append(error("gguf-truncated", path.name, f"data ends at byte {end}, file has "
                                                         f"{path.stat().st_size}"))
     if not any(f.severity == "error" for f in found):
-        found.append(info("gguf", path.name, f"{arch}: {len(tensors)} tensors, "
-                                             f"{sum(t.tensor_type == Q4_0 for t in reader.tensors)} Q4_0"))
+        types = Counter(t.tensor_type.name for t in reader.tensors
+                        if t.tensor_type in quantized_types())
+        found.append(info("gguf", path.name, f"{arch}: {len(tensors)} tensors, " + ", ".join(
+            f"{n} {name}" for name, n in sorted(types.items()))))
     return found
 
 
 def inspect(path: Path) -> dict:
-    """A summary: architecture, tensor count, types histogram, bits per weight, size."""
+    """A summary: architecture, file type, tensor count, types histogram, bits per weight of
+    the decoder layers' quantized tensors and of the whole file, sizes."""
     path = Path(path)
     reader = _open(path)
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    q = [t for t in reader.tensors if t.tensor_type == Q4_0]
+    q = [t for t in reader.tensors
+         if t.tensor_type in quantized_types() and t.name.startswith("blk.")]
     q_weights = sum(int(t.n_elements) for t in q)
     all_weights = sum(int(t.n_elements) for t in reader.tensors)
     tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     return {"architecture": _field_value(reader, "general.architecture"),
             "tensors": len(reader.tensors), "types": dict(sorted(types.items())),
-            "q4_0_bits_per_weight": (8 * sum(int(t.n_bytes) for t in q) / q_weights) if q_weights else None,
+            "file_type": _file_type_name(_field_value(reader, "general.file_type")),
+            "layer_bits_per_weight": (8 * sum(int(t.n_bytes) for t in q) / q_weights)
+            if q_weights else None,
             "bits_per_weight": 8 * tensor_bytes / all_weights if all_weights else math.nan,
             "weights": all_weights, "tensor_bytes": tensor_bytes, "file_bytes": path.stat().st_size,
             "pre_tokenizer": _field_value(reader, "tokenizer.ggml.pre")}
+
+
+def _file_type_name(value) -> str | None:
+    try:
+        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return None
 
 
 def gguf_file_in(path: Path) -> Path | None:

@@ -15,17 +15,18 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ...core.block_grid import BlockQuant
 from ...core.errors import CpuQuantError
 from ...core.grid import GroupQuant
 from ...core.io.safetensors_writer import write_safetensors
 from ..base import Format
 from ..sink import ArtifactInfo, Sink
 from .architectures import ArchSpec, _write_hyperparameters, arch_spec, permute_rope_rows
+from .block_types import QUANT_TYPES
 from .q4_0 import F32, Q4_0, pack_q4_0
 from .tokenizer import _write_tokenizer
 
 PARTS_DIR = ".gguf-parts"
-FILE_SUFFIX = "-Q4_0.gguf"
 # The type of token_embd (and of the head when it is not quantized). Measured in llama.cpp on the
 # demo model (tied head, held-out text, gguf-fidelity-20261202T151917Z/151943Z.json): F16 instead
 # of Q8_0 takes KL from 0.0744 to 0.0723 nats for +26% file size (8.5 against 16 bits per weight
@@ -47,7 +48,11 @@ class _Entry:
     gguf_name: str
     hf_name: str
     part: Path
-    kind: str  # q4_0 | norm | bias | embedding | float_linear
+    kind: str  # q4_0 | a block type's name (Q4_K, ...) | norm | bias | embedding | float_linear
+
+
+# the kinds whose part data is the quantized blocks, and their types
+QUANTIZED_KINDS = {"q4_0": Q4_0, **{t.name: t.qtype for t in QUANT_TYPES.values()}}
 
 
 class GGUFSink(Sink):
@@ -62,10 +67,16 @@ class GGUFSink(Sink):
         self.kinds: dict[str, str] = dict(state.get("kinds", {}))
         self._pending: dict[str, torch.Tensor] = {}
 
-    def add_module(self, module: str, gq: GroupQuant) -> int:
-        blocks = pack_q4_0(gq, module)
+    def add_module(self, module: str, gq: GroupQuant | BlockQuant) -> int:
+        if isinstance(gq, BlockQuant):
+            qt = next((t for t in QUANT_TYPES.values() if t.grid == gq.grid), None)
+            if qt is None:
+                raise CpuQuantError(f"{module}: no GGUF type has this block grid")
+            blocks, kind = qt.pack(gq), qt.name
+        else:
+            blocks, kind = pack_q4_0(gq, module), "q4_0"
         self._pending[module] = blocks
-        self.kinds[module] = "q4_0"
+        self.kinds[module] = kind
         return blocks.numel()
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> int:
@@ -89,12 +100,12 @@ class GGUFSink(Sink):
             self.end_layer(self.n_layers)
         cfg = info.source_config
         spec = arch_spec(cfg)
-        target = self.directory / gguf_file_name(info.source, info.source_config)
+        target = self.directory / gguf_file_name(info.source, self.fmt.file_suffix)
         entries = self._entries(spec, cfg)
         tmp = target.with_name(target.name + ".partial")
         tmp.unlink(missing_ok=True)
         try:
-            _write_file(tmp, spec, cfg, info, entries, self.fmt.pre_tokenizer)
+            _write_file(tmp, spec, cfg, info, entries, self.fmt)
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -115,11 +126,12 @@ class GGUFSink(Sink):
                 keys = sorted(f.keys())
             for hf in keys:
                 kind = self.kinds.get(hf) or _float_kind(hf)
-                if hf == "lm_head.weight" and kind != "q4_0" and (tied or not spec.head_tensor):
+                quantized = kind in QUANTIZED_KINDS
+                if hf == "lm_head.weight" and not quantized and (tied or not spec.head_tensor):
                     continue  # llama.cpp reads token_embd as the head
                 if hf == "lm_head" and not spec.head_tensor:
                     raise CpuQuantError(f"gguf: {spec.name} has no output tensor; do not quantize its head")
-                lookup = hf if kind != "q4_0" else hf + ".weight"
+                lookup = hf + ".weight" if quantized else hf
                 gname = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
                 if gname is None:
                     raise CpuQuantError(f"gguf: {hf} has no {spec.name} tensor name in llama.cpp")
@@ -144,11 +156,15 @@ def _tensor_order(gname: str) -> tuple:
     return (0 if gname.startswith("token_embd") else 2, 0, gname)
 
 
-def gguf_file_name(source: Path, source_config: dict | None = None) -> str:
-    """``<model>-Q4_0.gguf``: the source directory's name without a trailing ``-bf16``."""
+def model_name(source: Path) -> str:
+    """The source directory's name without a trailing ``-bf16``."""
     stem = Path(source).name
-    stem = stem[:-5] if stem.endswith("-bf16") else stem
-    return stem + FILE_SUFFIX
+    return stem[:-5] if stem.endswith("-bf16") else stem
+
+
+def gguf_file_name(source: Path, suffix: str = "-Q4_0.gguf") -> str:
+    """``<model><suffix>``, e.g. ``<model>-Q4_0.gguf``, ``<model>-Q4_K_M.gguf``."""
+    return model_name(source) + suffix
 
 
 def _heads_of(hf_name: str, cfg: dict) -> int:
@@ -158,7 +174,7 @@ def _heads_of(hf_name: str, cfg: dict) -> int:
 
 
 def _target_type(entry: _Entry) -> gguf.GGMLQuantizationType:
-    return {"q4_0": Q4_0, "norm": F32, "bias": F32, "embedding": EMBEDDING_TYPE,
+    return {**QUANTIZED_KINDS, "norm": F32, "bias": F32, "embedding": EMBEDDING_TYPE,
             "float_linear": FLOAT_LINEAR_TYPE}[entry.kind]
 
 
@@ -167,7 +183,7 @@ def _tensor_info(entry: _Entry, shape: tuple[int, ...]) -> tuple[tuple[int, ...]
     qtype = _target_type(entry)
     if qtype == F32:
         return shape, np.dtype(np.float32), 4 * math.prod(shape)
-    if qtype == Q4_0:  # the part already holds the block bytes
+    if entry.kind in QUANTIZED_KINDS:  # the part already holds the block bytes
         return shape, np.dtype(np.uint8), math.prod(shape)
     byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
     return byte_shape, np.dtype(np.uint8), math.prod(byte_shape)
@@ -178,7 +194,7 @@ def _convert(entry: _Entry, tensor: torch.Tensor, spec: ArchSpec, cfg: dict) -> 
     if spec.rope_permute and re.search(r"\.(q|k)_proj(\.weight|\.bias)?$", entry.hf_name):
         tensor = permute_rope_rows(tensor, _heads_of(entry.hf_name, cfg))
     qtype = _target_type(entry)
-    if qtype == Q4_0:
+    if entry.kind in QUANTIZED_KINDS:
         return tensor.contiguous().numpy()
     t = tensor.to(torch.float32)
     if entry.kind == "norm":
@@ -189,11 +205,12 @@ def _convert(entry: _Entry, tensor: torch.Tensor, spec: ArchSpec, cfg: dict) -> 
 
 
 def _write_file(path: Path, spec: ArchSpec, cfg: dict, art: ArtifactInfo, entries: list[_Entry],
-                pre: str | None) -> None:
+                fmt: Format) -> None:
     w = gguf.GGUFWriter(path, spec.name)
-    w.add_name(gguf_file_name(art.source)[: -len(FILE_SUFFIX)])
+    w.add_name(model_name(art.source))
     _write_hyperparameters(w, spec, cfg)
-    _write_tokenizer(w, Path(art.source), cfg, pre)
+    w.add_file_type(fmt.llama_file_type)
+    _write_tokenizer(w, Path(art.source), cfg, fmt.pre_tokenizer)
     w.add_uint32("cpu_quant.group_size", int(art.default_group))
     w.add_bool("cpu_quant.head_quantized", bool(art.head_quantized))
     for e in entries:  # shapes and byte counts first: the header precedes the data
