@@ -70,8 +70,10 @@ class TensorReport:
     damp_raised: bool = False
     # how GPTQ's Hessian was used when the float32 factorisation failed at every damping step
     # (gptq.prepare_hessian): "float64" (factored in float64, at ``damp``), "rtn" (not even
-    # then: round-to-nearest with the weighted scale search, no error compensation); None
-    # when it factored in float32 or no Hessian was used
+    # then: round-to-nearest with the weighted scale search, no error compensation);
+    # "rtn-few-tokens": an expert the router sent fewer tokens than its widest input, taken by
+    # round-to-nearest with the weighted scale search (quantize/experts.py); None when it
+    # factored in float32 or no Hessian was used
     gptq_fallback: str | None = None
 
 
@@ -97,5 +99,8 @@ class QuantReport:
     distributed: dict | None = None
     # --smooth: the folds, the strength chosen for each, and the statistics pass's time
     smoothing: dict | None = None
+    # a mixture-of-experts model: every expert's routed token count, the experts that fell
+    # back to round-to-nearest and why, the router kept bf16 (quantize/experts.py)
+    experts: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)
