@@ -5,7 +5,7 @@ Each expert's linears are calibrated on the tokens the router sends to that expe
 other: the experts are one ``nn.Linear`` per projection (``core.experts.ExpertList``) and the
 layer's Hessian hooks see, for each expert, only the rows the router dispatched to it. The
 Hessian is *plain*: ``2 XᵀX / n`` over those tokens, each counted once, not weighted by its
-routing weight (as GPTQModel and llm-compressor calibrate experts). Weighting by the squared
+routing weight. Weighting by the squared
 routing weight would be the exact second-order loss of the layer's output, but after top-k
 renormalisation the weights of a token's experts are of one order (1/k on average), so it
 changes which tokens count little, and a plain Hessian is the one a token-count rule speaks
