@@ -37,7 +37,8 @@ RULE = ("an expert with fewer routed tokens than the widest input of its linears
         "by round-to-nearest with the scale search weighted by its tokens' Hessian diagonal, "
         "not by GPTQ")
 HESSIAN = "plain: 2 XᵀX / n over the tokens the router sends to the expert, each counted once"
-ROUTER = "the router (mlp.gate) is kept bf16: it picks the experts, and 4-bit logits could flip them"
+ROUTER = ("the router (mlp.gate) is kept bf16: it picks the experts, and 4-bit router weights "
+          "would change which experts run")
 
 
 def has_experts(layer: nn.Module) -> bool:
