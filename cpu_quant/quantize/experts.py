@@ -45,10 +45,11 @@ def has_experts(layer: nn.Module) -> bool:
     return any(isinstance(m, ExpertList) for m in layer.modules())
 
 
-def expert_tokens(linears: dict[str, nn.Linear], rows: dict[str, int]
-                  ) -> dict[str, dict[int, tuple[int, int]]]:
-    """Per experts block: expert -> (tokens routed to it, the widest input of its linears).
-    ``rows``: the rows each linear's Hessian summed (absent: the linear saw no token)."""
+def expert_tokens(linears: dict[str, nn.Linear], rows: dict[str, int],
+                  min_tokens: int | None = None) -> dict[str, dict[int, tuple[int, int]]]:
+    """Per experts block: expert -> (tokens routed to it, the tokens it needs for GPTQ: the
+    widest input of its linears, or ``min_tokens`` when given). ``rows``: the rows each
+    linear's Hessian summed (absent: the linear saw no token)."""
     blocks: dict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
     for name, m in linears.items():
         parts = split_expert_name(name)
@@ -57,7 +58,8 @@ def expert_tokens(linears: dict[str, nn.Linear], rows: dict[str, int]
         block, e, _ = parts
         tokens, width = blocks[block].get(e, (0, 0))
         # gate and up see the expert's tokens; down sees the same tokens (its rows are theirs)
-        blocks[block][e] = (max(tokens, rows.get(name, 0)), max(width, m.in_features))
+        need = m.in_features if min_tokens is None else min_tokens
+        blocks[block][e] = (max(tokens, rows.get(name, 0)), max(width, need))
     return dict(blocks)
 
 
@@ -67,13 +69,13 @@ def starved_experts(blocks: dict[str, dict[int, tuple[int, int]]]) -> dict[str, 
             for block, experts in blocks.items()}
 
 
-def fallbacks(linears: dict[str, nn.Linear], rows: dict[str, int], gptq: bool = True
-              ) -> tuple[dict[str, str], dict[str, dict]]:
+def fallbacks(linears: dict[str, nn.Linear], rows: dict[str, int], gptq: bool = True,
+              min_tokens: int | None = None) -> tuple[dict[str, str], dict[str, dict]]:
     """The fallback of every linear of a starved expert (module name -> :data:`FALLBACK`),
     and the layer's record for the report: per experts block, each expert's token count and
     the experts that fell back (none when the run is not GPTQ: every linear is then
-    round-to-nearest already)."""
-    blocks = expert_tokens(linears, rows)
+    round-to-nearest already). ``min_tokens``: ``QuantSettings.expert_min_tokens``."""
+    blocks = expert_tokens(linears, rows, min_tokens)
     starved = starved_experts(blocks) if gptq else {block: [] for block in blocks}
     out: dict[str, str] = {}
     for name in linears:

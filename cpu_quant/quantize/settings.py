@@ -36,6 +36,10 @@ class QuantSettings:
     # activation smoothing folded into the weights before GPTQ (smooth_fold.py); None: where
     # it applies (smooth_fold.default_smoothing), the gptq command's default
     smooth: bool | None = False
+    # a mixture-of-experts model: the routed tokens an expert needs for GPTQ (fewer: the
+    # round-to-nearest fallback); None: the widest input of its linears (quantize/experts.py).
+    # No command-line option: the moe benchmark sets it to compare the experts' methods.
+    expert_min_tokens: int | None = None
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,8 @@ class QuantSettings:
             raise CpuQuantError("--smooth needs calibration data (it measures the activations)")
         if self.positive_scales and not self.symmetric:
             raise CpuQuantError("--positive-scales applies to the symmetric grid only")
+        if self.expert_min_tokens is not None and self.expert_min_tokens < 0:
+            raise CpuQuantError("expert_min_tokens must be >= 0")
         if not 0 < self.damp <= 1:
             raise CpuQuantError("--damp must be in (0, 1]")
         for flag, value, least in (("--samples", self.samples, 1), ("--seqlen", self.seqlen, 2),
