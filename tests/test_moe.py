@@ -318,10 +318,12 @@ print(json.dumps({"generated": gen, "n_vocab": llm.n_vocab()}))
 """
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
           411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 10576, 1601, 260, 2914, 282, 4649, 47]
-# a greedy step whose two best torch logits are closer than this may go either way in
-# llama.cpp, which rounds the activations to Q8_0 before each Q4_0 product; the measured
-# teacher-forced KL between the two on this model is about 4e-6 nats
-NEAR_TIE = 0.05
+# llama.cpp rounds the activations to Q8_0 before each Q4_0 product, so its logits differ from
+# torch's by a little (on this model the largest teacher-forced difference was 0.015, the
+# logits' std 0.32): a greedy step whose two best torch logits are closer than twice the
+# largest difference measured on the same run may go either way. Larger differences than
+# MAX_LOGIT_DIFF mean a layout error, not rounding.
+MAX_LOGIT_DIFF = 0.1
 
 
 def _dequantized_torch(src: Path, path: Path):
@@ -339,23 +341,25 @@ def _dequantized_torch(src: Path, path: Path):
     return model
 
 
-def _greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    ids, margins = list(prompt), []
+def _torch_steps(model, prompt: list[int], generated: list[int]) -> list[tuple[int, float]]:
+    """For each step of ``generated`` (llama.cpp's greedy tokens), torch's choice at llama.cpp's
+    own prefix and how far below it torch puts llama.cpp's token (0 when they agree)."""
+    out = []
     with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            top = torch.topk(logits, 2).values
-            margins.append(float(top[0] - top[1]))
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], margins
+        for s, token in enumerate(generated):
+            logits = model(torch.tensor([prompt + generated[:s]])).logits[0, -1]
+            best = int(logits.argmax())
+            out.append((best, float(logits[best] - logits[token])))
+    return out
 
 
 @pytest.mark.e2e
 def test_llama_cpp_runs_the_calibrated_moe_gguf(demo_src: Path, tmp_path: Path) -> None:
     """The tiny Qwen3-MoE (Qwen3-30B-A3B's ratios) quantized by the command line (per-expert
     GPTQ) to GGUF verifies, and real llama.cpp's greedy tokens equal the dequantized torch
-    model's (up to a near tie, :data:`NEAR_TIE`), with teacher-forced top-1 >= 0.9 and KL below
-    0.05 nats, as the dense model's llama.cpp test asks."""
+    model's (each step torch's own choice at llama.cpp's prefix, or a near tie within twice the
+    largest logit difference measured, :data:`MAX_LOGIT_DIFF`), with teacher-forced top-1 >= 0.9
+    and KL below 0.05 nats, as the dense model's llama.cpp test asks."""
     from benchmarks.peers.llama_cpp_env import ready_env
     from tests.conftest import REPO
 
@@ -386,11 +390,13 @@ def test_llama_cpp_runs_the_calibrated_moe_gguf(demo_src: Path, tmp_path: Path) 
     p, q = torch.log_softmax(ours, -1), torch.log_softmax(theirs, -1)
     kl = (p.exp() * (p - q)).sum(-1).mean().item()
     top1 = (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item()
-    greedy, margins = _greedy(model, TOKENS[:8], 8)
-    print(f"llama.cpp vs torch (Qwen3-MoE): KL {kl:.2e}, top-1 {top1:.3f}, llama.cpp "
-          f"{result['generated']}, torch {greedy}, margins {[round(m, 3) for m in margins]}")
-    assert top1 >= 0.9 and kl < 0.05
-    # equal up to the first near tie (there the two may part); this seeded model has none in
-    # its first four steps, so at least half the tokens are compared
-    tie = next((s for s, m in enumerate(margins) if m < NEAR_TIE), len(margins))
-    assert tie >= 4 and result["generated"][:tie] == greedy[:tie]
+    diff = (ours - theirs).abs().max().item()
+    steps = _torch_steps(model, TOKENS[:8], result["generated"])
+    print(f"llama.cpp vs torch (Qwen3-MoE): KL {kl:.2e}, top-1 {top1:.3f}, largest logit "
+          f"difference {diff:.4f}; llama.cpp {result['generated']}, torch at its prefixes "
+          f"{[b for b, _ in steps]}, gaps {[round(g, 4) for _, g in steps]}")
+    assert top1 >= 0.9 and kl < 0.05 and diff < MAX_LOGIT_DIFF
+    assert len(result["generated"]) == 8
+    # every greedy step is torch's choice, or a near tie within the measured rounding
+    for s, (best, gap) in enumerate(steps):
+        assert best == result["generated"][s] or gap <= 2 * diff, (s, best, gap)
