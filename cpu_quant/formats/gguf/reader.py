@@ -193,6 +193,10 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
     if not any(f.severity == "error" for f in found):
         found.append(info("gguf", path.name, f"{arch}: {len(tensors)} tensors, "
                                              f"{sum(t.tensor_type == Q4_0 for t in reader.tensors)} Q4_0"))
+        experts = _experts_summary(reader)
+        if experts:
+            found.append(info("gguf-experts", path.name, f"experts {experts['experts']}; kept "
+                                                         f"{experts['kept_float']}"))
     return found
 
 
