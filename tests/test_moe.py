@@ -231,6 +231,17 @@ def test_formats_without_moe_runtime_refuse_in_one_line(small_moe: Path, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_several_processes_refuse_moe_in_one_line(small_moe: Path, tmp_path: Path) -> None:
+    """--nproc: the ranks' per-expert Hessian sums would not pair up; refused before work."""
+    proc = run_cli("gptq", str(small_moe), str(tmp_path / "out"), "--format", "gguf",
+                   "--nproc", "2", "--samples", "4", "--seqlen", "64", "--batch-size", "2",
+                   "--no-eval", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: a mixture-of-experts model is quantized by one process: run "
+                      "without --nproc or torchrun"]
+
+
 def test_unsupported_moe_family_and_llama_cpp_mismatch_are_one_line(small_moe: Path) -> None:
     with pytest.raises(CpuQuantError, match="mixture-of-experts model_type 'mixtral'"):
         moe_family({"model_type": "mixtral", "num_local_experts": 8})

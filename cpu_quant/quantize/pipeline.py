@@ -34,6 +34,7 @@ from torch import nn
 
 from ..core import smoothing_factors
 from ..core.errors import CpuQuantError, Interrupted
+from ..core.experts import expert_count
 from ..core.io.artifact import StagedOutput, check_destination, write_json_atomic
 from ..core.io.checkpoint import (
     check_config_sizes,
@@ -383,6 +384,12 @@ class QuantizationRun:
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")
         check_source(ckpt, settings)
+        if self.team.world_size > 1 and expert_count(ckpt.config):
+            # each rank's Hessian sums are made when an expert first sees a token, and the
+            # ranks' batches route differently: their summing collectives would not pair up
+            ckpt.close()
+            raise CpuQuantError("a mixture-of-experts model is quantized by one process: run "
+                                "without --nproc or torchrun")
         if settings.smooth is None:  # the default: fold where it applies, say why not
             smooth, self.smooth_note = smooth_fold.default_smoothing(ckpt.config, settings)
             self.settings = settings = replace(settings, smooth=smooth)
