@@ -205,12 +205,12 @@ class LayerQuantizer:
             finally:
                 acc.close()
             hessians = {n: acc.hessian(n) for n in acc.h}
-            fallbacks: dict[str, str] = {}
-            if hidden:  # per-expert token counts (and GPTQ's fallbacks) for the report
-                fallbacks, record = experts.fallbacks(
-                    linears, acc.count, gptq=self.settings.method == "gptq",
-                    min_tokens=self.settings.expert_min_tokens)
-                self.state.experts.update(record)
+            # per-expert token counts (and GPTQ's fallbacks) for the report; none for a dense
+            # layer, every count 0 without calibration
+            fallbacks, record = experts.fallbacks(
+                linears, acc.count, gptq=self.settings.method == "gptq",
+                min_tokens=self.settings.expert_min_tokens)
+            self.state.experts.update(record)
             quantize(list(linears), {n: h for n, h in hessians.items() if h is not None},
                      fallbacks)
             outputs = (self.clock.timed_iter("forward", stream.forward_layer(i, hidden))
