@@ -29,6 +29,7 @@ from cpu_quant.quantize.pipeline import quantize_checkpoint
 from cpu_quant.quantize.settings import QuantSettings
 from cpu_quant.quantize.streaming import LayerStream
 from tests.conftest import run_cli
+from tests.formats.test_gguf import LOGITS_SCRIPT
 from tests.helpers.gguf_rtn import write_gguf
 
 # small enough for the unit tier: 8 experts, 2 per token; every in-features a multiple of 32
@@ -314,21 +315,6 @@ def test_gguf_verify_refuses_a_wrong_expert_count(small_moe: Path, small_gguf) -
 
 
 # -- e2e: real llama.cpp on a calibrated run -----------------------------------------------------
-LOGITS_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[4])
-import numpy as np
-from benchmarks.peers.llama_cpp_open import open_model
-model, out, tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-llm = open_model(model, n_ctx=256, n_batch=256, logits_all=True, n_threads=2, seed=0,
-                 verbose=False)
-llm.eval(tokens)
-logits = np.array(llm.scores[: len(tokens)], dtype=np.float32)
-llm.reset()
-gen = [t for _, t in zip(range(8), llm.generate(tokens[:8], temp=0.0))]
-np.save(out, logits)
-print(json.dumps({"generated": gen, "n_vocab": llm.n_vocab()}))
-"""
 TOKENS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
           411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 10576, 1601, 260, 2914, 282, 4649, 47]
 # llama.cpp rounds the activations to Q8_0 before each Q4_0 product, so its logits differ from

@@ -66,6 +66,16 @@ def moe_family(config: dict) -> str | None:
     return MOE_FAMILIES[model_type]
 
 
+def refuse_experts(config: dict, why: str) -> str | None:
+    """A format's refusal of a mixture-of-experts model: ``"<family> experts: <why>"``, the
+    one-line refusal of an unsupported family, or None for a dense model."""
+    try:
+        family = moe_family(config)
+    except CpuQuantError as exc:
+        return str(exc)
+    return None if family is None else f"{family} experts: {why}"
+
+
 def split_expert_name(module: str) -> tuple[str, int, str] | None:
     """``model.layers.3.mlp.experts.7.up_proj`` -> (``model.layers.3.mlp.experts``, 7,
     ``up_proj``); None for a module outside an expert."""

