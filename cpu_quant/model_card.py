@@ -127,6 +127,7 @@ SETTING_ROWS = {
     "act_order": "act-order (static groups)",
     "damp": "damping",
     "w4a8_hessians": "Hessians",
+    "expert_min_tokens": "experts",
 }
 # QuantSettings fields that cannot change a weight, and why
 NOT_WEIGHTS = {
@@ -144,6 +145,19 @@ def _groups_text(used: list[int], requested) -> str:
     if used:
         return "groups of " + ", ".join("one scale per row" if g == -1 else str(g) for g in used)
     return f"groups of {requested}" if requested is not None else "as the group size"
+
+
+def _experts_text(experts: dict | None, min_tokens, method) -> str:
+    """A mixture-of-experts run's experts: how they were calibrated, how many fell back."""
+    if not experts:
+        return "none (a dense model)"
+    if method != "gptq":
+        return "round-to-nearest, as every linear; the router kept bf16"
+    need = ("the widest input of their linears" if min_tokens is None
+            else f"{min_tokens}")
+    return (f"each calibrated on the tokens routed to it; {experts['experts_fallback']} of "
+            f"{experts['experts']} received fewer than {need} and took round-to-nearest "
+            "with the weighted scale search; the router kept bf16")
 
 
 def _setting_rows(report: dict) -> list[str]:
@@ -182,6 +196,8 @@ def _setting_rows(report: dict) -> list[str]:
         "damping": f"{s.get('damp')}",
         "Hessians": ("from the int8-per-token activations of vLLM's W4A8 kernel"
                      if s.get("w4a8_hessians") else "from the bf16 activations"),
+        "experts": _experts_text(report.get("experts"), s.get("expert_min_tokens"),
+                                 s.get("method")),
     }
     for key, value in s.items():  # a setting neither table knows: stated as it is
         if key not in SETTING_ROWS and key not in NOT_WEIGHTS:

@@ -1,4 +1,5 @@
-"""Tiny random decoder-only models of every architecture cpu-quant supports, with the demo
+"""Tiny random decoder-only models of every architecture cpu-quant supports (dense, and the
+mixture-of-experts families of :data:`MOE_ARCHS`), with the demo
 tokenizer: the unit tests' models (:data:`UNIT`) and the larger ones of the ``fidelity_archs``
 benchmark (``benchmarks/suites/fidelity_archs.py``), from one definition.
 
@@ -29,6 +30,11 @@ class TinyShape:
     tied: bool | None = True
     # None: the config class' default initializer_range (0.02 for all of these)
     init_std: float | None = None
+    # mixture-of-experts: routed experts per layer (0: a dense MLP), experts per token, and
+    # each expert's intermediate size
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -37,6 +43,13 @@ class TinyShape:
 
 # the unit tests' models: small enough to quantize in a second
 UNIT = TinyShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+# Qwen3-MoE at Qwen3-30B-A3B's ratios (hidden 2048, 128 experts of intermediate 768, 8 per
+# token, 32 query heads of 128 over 4 KV heads, intermediate_size 6144, untied head): 1/16 of
+# the experts per token, expert intermediate 3/8 of hidden, 8 query heads per KV head, query
+# width twice the hidden size, no shared expert. Every linear's in-features a multiple of 32
+# (Q4_0's block).
+QWEN3_MOE = TinyShape(hidden=256, intermediate=768, layers=2, heads=8, kv_heads=1, tied=False,
+                      experts=32, experts_per_token=2, expert_intermediate=96)
 
 
 def _head_dim(shape: TinyShape) -> dict:
@@ -46,6 +59,16 @@ def _head_dim(shape: TinyShape) -> dict:
 def _gemma(shape: TinyShape) -> dict:
     return {"head_dim": shape.head_dim, "query_pre_attn_scalar": shape.head_dim,
             "sliding_window": 64}
+
+
+def _qwen3_moe(shape: TinyShape) -> dict:
+    # head_dim twice hidden / heads, as Qwen3-30B-A3B's 128 x 32 heads over hidden 2048; every
+    # layer sparse and the top-k weights renormalised, as the family's checkpoints (and
+    # llama.cpp's qwen3moe graph, which always renormalises)
+    return {"head_dim": 2 * shape.head_dim, "num_experts": shape.experts,
+            "num_experts_per_tok": shape.experts_per_token,
+            "moe_intermediate_size": shape.expert_intermediate, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 # architecture -> (transformers config class, the keys it needs beyond the shape)
@@ -58,13 +81,19 @@ TINY_ARCHS: dict[str, tuple[str, Callable[[TinyShape], dict]]] = {
     "gemma3": ("Gemma3TextConfig", _gemma),
     "phi3": ("Phi3Config", lambda s: {"pad_token_id": 0}),
 }
+# the mixture-of-experts architectures (apart: not every format takes them), and the shape
+# each is built with by default
+MOE_ARCHS: dict[str, tuple[str, Callable[[TinyShape], dict]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", _qwen3_moe),
+}
+MOE_SHAPES = {"qwen3_moe": QWEN3_MOE}
 
 
 def tiny_config(arch: str, shape: TinyShape = UNIT, vocab: int = DEMO_VOCAB):
     """The transformers config of a tiny ``arch`` model of ``shape``."""
     import transformers
 
-    cls_name, extra = TINY_ARCHS[arch]
+    cls_name, extra = {**TINY_ARCHS, **MOE_ARCHS}[arch]
     kwargs = dict(vocab_size=vocab, hidden_size=shape.hidden,
                   intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -84,13 +113,15 @@ def copy_tokenizer(demo_src: Path, dst: Path) -> None:
 
 
 def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: int = DEMO_VOCAB,
-                    shape: TinyShape = UNIT) -> Path:
-    """A tiny random ``arch`` model of ``shape`` (weights from ``torch.manual_seed(seed)``),
-    saved to ``dst`` as bf16 safetensors with the demo tokenizer."""
+                    shape: TinyShape | None = None) -> Path:
+    """A tiny random ``arch`` model of ``shape`` (weights from ``torch.manual_seed(seed)``;
+    default :data:`UNIT`, or the family's shape of :data:`MOE_SHAPES`), saved to ``dst`` as
+    bf16 safetensors (a mixture-of-experts model's experts one tensor per expert projection, as
+    the family's checkpoints) with the demo tokenizer."""
     import torch
     import transformers
 
-    config = tiny_config(arch, shape, vocab)
+    config = tiny_config(arch, shape or MOE_SHAPES.get(arch, UNIT), vocab)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(dst)

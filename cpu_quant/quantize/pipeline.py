@@ -34,6 +34,7 @@ from torch import nn
 
 from ..core import smoothing_factors
 from ..core.errors import CpuQuantError, Interrupted
+from ..core.experts import expert_count
 from ..core.io.artifact import StagedOutput, check_destination, write_json_atomic
 from ..core.io.checkpoint import (
     check_config_sizes,
@@ -53,10 +54,11 @@ from ..core.naming import HEAD_NAME
 from ..data.corpus import load_texts
 from ..formats import DEFAULT_FORMAT, ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
-from . import smooth_fold
+from . import experts, smooth_fold
 from .activations import ACTIVATIONS_DIR, Discard, DiskActivations, in_place, one_slab
 from .clock import PhaseClock
 from .distributed import NoSinks, RankLost, Team
+from .experts import has_experts
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
 from .plan import (
@@ -160,11 +162,15 @@ class LayerQuantizer:
         self.add_tensor = self.clock.timed("write", sinks.add_tensor)
 
     def _quantize(self, linears: dict[str, nn.Linear], plans: dict[str, LinearPlan],
-                  names: list[str], hessians: dict[str, torch.Tensor | None]) -> None:
+                  names: list[str], hessians: dict[str, torch.Tensor | None],
+                  fallbacks: dict[str, str] | None = None) -> None:
         """Quantize ``names``, hand the results to the sinks, and put the dequantized weights
-        into the modules for the passes after."""
+        into the modules for the passes after. ``fallbacks``: the linears a GPTQ run takes by
+        round-to-nearest instead, and why (``experts.fallbacks``)."""
         names = [n for n in names if plans[n].quantize]
-        jobs = [QuantJob(linears[n].weight.data, plans[n], hessians.get(n)) for n in names]
+        fallbacks = fallbacks or {}
+        jobs = [QuantJob(linears[n].weight.data, plans[n], hessians.get(n), fallbacks.get(n))
+                for n in names]
         results = quantize_linears(jobs, self.settings, self.grid, self.team.rows)
         for name, (gq, trep) in zip(names, results, strict=True):
             self.state.tensors.append(asdict(trep))
@@ -193,7 +199,9 @@ class LayerQuantizer:
         call = self.clock.timed("forward", stream.call_layer)
         layer = stream.layers[i]
         structure = None
-        if hidden:
+        # a mixture-of-experts layer calls each expert on its routed tokens only, and its MLP's
+        # output is not its last linear's: two passes (sequential.py's blocks do not apply)
+        if hidden and not has_experts(layer):
             key = signature(layer)
             if key not in self.structures:  # rank 0's probe (of the first batch) decides
                 first = next(iter(hidden))
@@ -219,7 +227,14 @@ class LayerQuantizer:
             finally:
                 acc.close()
             hessians = {n: acc.hessian(n) for n in acc.h}
-            quantize(list(linears), {n: h for n, h in hessians.items() if h is not None})
+            # per-expert token counts (and GPTQ's fallbacks) for the report; none for a dense
+            # layer, every count 0 without calibration
+            fallbacks, record = experts.fallbacks(
+                linears, acc.count, gptq=self.settings.method == "gptq",
+                min_tokens=self.settings.expert_min_tokens)
+            self.state.experts.update(record)
+            quantize(list(linears), {n: h for n, h in hessians.items() if h is not None},
+                     fallbacks)
             outputs = (self.clock.timed_iter("forward", stream.forward_layer(i, hidden))
                        if hidden else None)
         # the report lists a layer's tensors in module order, whatever order they were quantized in
@@ -402,6 +417,12 @@ class QuantizationRun:
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")
         check_source(ckpt, settings)
+        if self.team.world_size > 1 and expert_count(ckpt.config):
+            # each rank's Hessian sums are made when an expert first sees a token, and the
+            # ranks' batches route differently: their summing collectives would not pair up
+            ckpt.close()
+            raise CpuQuantError("a mixture-of-experts model is quantized by one process: run "
+                                "without --nproc or torchrun")
         if settings.smooth is None:  # the default: fold where it applies, say why not
             smooth, self.smooth_note = smooth_fold.default_smoothing(ckpt.config, settings)
             self.settings = settings = replace(settings, smooth=smooth)
@@ -585,6 +606,7 @@ class QuantizationRun:
         report.bits_per_weight_on_disk = round(state.bits_disk / max(state.n_weights, 1), 4)
         report.total_seconds = round(time.perf_counter() - self.t_start, 3)
         report.true_sequential_layers = state.true_sequential_layers
+        report.experts = experts.summary(state.experts)
         report.phase_seconds = state.phase_seconds
         self.resume_point.wait()
         report.distributed = self.team.summary(time.perf_counter() - self.t_start)

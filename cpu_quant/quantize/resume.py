@@ -166,6 +166,7 @@ class RunState:
     bits_disk: float = 0.0
     true_sequential_layers: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    experts: dict[str, dict] = field(default_factory=dict)  # experts block -> its record
 
     def account(self, gq: GroupQuant | BlockQuant, stored_bytes: int) -> None:
         n, k = gq.codes.shape

@@ -97,11 +97,15 @@ LOCAL_ROWS = LocalRows()
 
 @dataclass
 class QuantJob:
-    """One linear to quantize: its weight, plan and Hessian (None for data-free RTN)."""
+    """One linear to quantize: its weight, plan and Hessian (None for data-free RTN).
+    ``fallback``: why a GPTQ run quantizes it by round-to-nearest with the scale search
+    weighted by its Hessian's diagonal instead (recorded as its ``gptq_fallback``; an expert
+    the router starved, ``experts.FALLBACK``), or None."""
 
     weight: torch.Tensor
     plan: LinearPlan
     hessian: torch.Tensor | None
+    fallback: str | None = None
 
 
 def _quantize_rows(w: torch.Tensor, plan: LinearPlan, hessian: torch.Tensor | None,
@@ -176,7 +180,7 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     stacks: dict[tuple, list[int]] = {}
     for j, job in enumerate(jobs):
         key = (id(job.hessian), job.plan.group_size, job.plan.grid, job.weight.shape[1],
-               job.weight.dtype)
+               job.weight.dtype, job.fallback)
         stacks.setdefault(key, []).append(j)
     stacked = [(members, jobs[members[0]], torch.cat([jobs[j].weight for j in members])
                 if len(members) > 1 else jobs[members[0]].weight) for members in stacks.values()]
@@ -191,15 +195,20 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     to_rtn: set[int] = set()  # Hessians no damping makes factor: their jobs go to RTN
     if settings.method == "gptq":
         for _, lead, _ in stacked:
-            if lead.hessian is not None and id(lead.hessian) not in preps.keys() | to_rtn:
+            if (lead.hessian is not None and lead.fallback is None
+                    and id(lead.hessian) not in preps.keys() | to_rtn):
                 if not _prepare(lead.hessian, jobs, settings, share.rank, preps):
                     to_rtn.add(id(lead.hessian))
 
+    def prep_of(lead: QuantJob) -> HessianPrep | None:
+        if lead.hessian is None or lead.fallback is not None:
+            return None
+        return preps.get(id(lead.hessian))
+
     def run(piece: Piece):
         _, lead, w = stacked[piece.stack]
-        prep = None if lead.hessian is None else preps.get(id(lead.hessian))
         gq, _ = _quantize_rows(w[piece.r0:piece.r1], lead.plan, lead.hessian, settings, grid,
-                               prep)
+                               prep_of(lead))
         return piece, gq
 
     order = sorted(mine, key=size, reverse=True)
@@ -225,10 +234,12 @@ def quantize_linears(jobs: list[QuantJob], settings: QuantSettings, grid: GridSp
     out: dict[int, tuple[GroupQuant, TensorReport]] = {}
     for s, (members, lead, _) in enumerate(stacked):
         gq = _cat([results[p] for p in pieces if p.stack == s])
-        prep = None if lead.hessian is None else preps.get(id(lead.hessian))
+        prep = prep_of(lead)
         stats = None if prep is None else GPTQStats(prep.damp, prep.damp_raised, prep.fallback)
         if lead.hessian is not None and id(lead.hessian) in to_rtn:
             stats = GPTQStats(None, True, "rtn")
+        if lead.fallback is not None and settings.method == "gptq":
+            stats = GPTQStats(None, False, lead.fallback)
         importance = None if lead.hessian is None else torch.diag(lead.hessian)
         a = 0
         for j in members:

@@ -36,6 +36,10 @@ class QuantSettings:
     # activation smoothing folded into the weights before GPTQ (smooth_fold.py); None: where
     # it applies (smooth_fold.default_smoothing), the gptq command's default
     smooth: bool | None = False
+    # a mixture-of-experts model: the routed tokens an expert needs for GPTQ (fewer: the
+    # round-to-nearest fallback); None: the widest input of its linears (quantize/experts.py).
+    # No command-line option: the moe benchmark sets it to compare the experts' methods.
+    expert_min_tokens: int | None = None
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +52,8 @@ class QuantSettings:
             raise CpuQuantError("--smooth needs calibration data (it measures the activations)")
         if self.positive_scales and not self.symmetric:
             raise CpuQuantError("--positive-scales applies to the symmetric grid only")
+        if self.expert_min_tokens is not None and self.expert_min_tokens < 0:
+            raise CpuQuantError("expert_min_tokens must be >= 0")
         if not 0 < self.damp <= 1:
             raise CpuQuantError("--damp must be in (0, 1]")
         for flag, value, least in (("--samples", self.samples, 1), ("--seqlen", self.seqlen, 2),
@@ -70,8 +76,10 @@ class TensorReport:
     damp_raised: bool = False
     # how GPTQ's Hessian was used when the float32 factorisation failed at every damping step
     # (gptq.prepare_hessian): "float64" (factored in float64, at ``damp``), "rtn" (not even
-    # then: round-to-nearest with the weighted scale search, no error compensation); None
-    # when it factored in float32 or no Hessian was used
+    # then: round-to-nearest with the weighted scale search, no error compensation);
+    # "rtn-few-tokens": an expert the router sent fewer tokens than its widest input, taken by
+    # round-to-nearest with the weighted scale search (quantize/experts.py); None when it
+    # factored in float32 or no Hessian was used
     gptq_fallback: str | None = None
 
 
@@ -97,5 +105,8 @@ class QuantReport:
     distributed: dict | None = None
     # --smooth: the folds, the strength chosen for each, and the statistics pass's time
     smoothing: dict | None = None
+    # a mixture-of-experts model: every expert's routed token count, the experts that fell
+    # back to round-to-nearest and why, the router kept bf16 (quantize/experts.py)
+    experts: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)

@@ -119,11 +119,13 @@ class Chart:
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def _module_kind(name: str) -> tuple[int | None, str]:
+    """(layer, the module's kind within it); every expert's projection is one kind."""
     m = _LAYER.search(name)
-    return (int(m.group(1)), m.group(2)) if m else (None, name)
+    return (int(m.group(1)), _EXPERT.sub(".experts.*.", m.group(2))) if m else (None, name)
 
 
 def _bits(group: int, in_features: int, symmetric: bool) -> float:
@@ -201,6 +203,25 @@ def fallbacks_section(report: dict) -> str:
         parts.append("<details><summary>plan notes</summary><ul>"
                      + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul></details>")
     return "".join(parts)
+
+
+def experts_section(experts: dict | None) -> str:
+    """A mixture-of-experts run: each layer's routed tokens per expert, the experts that fell
+    back from GPTQ, and what was kept (quantize/experts.py)."""
+    if not experts:
+        return "<p class='muted'>Not a mixture-of-experts model.</p>"
+    rows = []
+    for block, b in experts["blocks"].items():
+        tokens = sorted(b["tokens"])
+        rows.append((block, len(tokens), tokens[0], tokens[len(tokens) // 2], tokens[-1],
+                     b["min_tokens"], len(b["fallback"]),
+                     ", ".join(map(str, b["fallback"])) or "-"))
+    return (f"<p><b>{experts['experts_fallback']}</b> of {experts['experts']} experts "
+            f"({100 * experts['fallback_share']:.1f}%) fell back from GPTQ: "
+            f"{escape(experts['fallback_rule'])}. Hessian: {escape(experts['hessian'])}. "
+            f"Kept: {escape(experts['router'])}.</p>"
+            + _table(rows, ("experts", "count", "min tokens", "median tokens", "max tokens",
+                            "tokens needed", "fell back", "which")))
 
 
 def head_section(report: dict) -> str:
@@ -296,6 +317,7 @@ def render_report_html(report: dict, title: str) -> str:
         ("Bits per weight", bits_section(report)),
         ("Weighted SNR", snr_section(report.get("tensors", []))),
         ("Damping and group fallbacks", fallbacks_section(report)),
+        ("Experts", experts_section(report.get("experts"))),
         ("The head", head_section(report)),
         ("Fidelity", fidelity_section(report.get("fidelity"))),
         ("Timings and memory", timing_section(report)),

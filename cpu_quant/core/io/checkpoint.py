@@ -262,16 +262,22 @@ def load_hf_config(root: str | Path):
 
 def empty_causal_lm(config, dtype: torch.dtype):
     """A causal LM of ``config`` without memory (accelerate's empty weights), or a one-line
-    error for an architecture transformers cannot build."""
+    error for an architecture transformers cannot build. A mixture-of-experts model's fused
+    experts are put back as one linear per expert projection, named as the checkpoint's
+    tensors (``core.experts``)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from ..experts import unfuse_experts
+
     with init_empty_weights(include_buffers=False):
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise CpuQuantError(f"unsupported model: {first}") from None
+    unfuse_experts(model)
+    return model
 
 
 def tensors_disagree(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], tied: bool

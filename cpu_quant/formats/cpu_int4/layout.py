@@ -78,7 +78,7 @@ from ...core.grid import QZERO, GroupQuant
 from ..base import Limits, Serving, TensorSpec
 from ..safetensors import SafetensorsFormat
 from ..sink import ArtifactInfo
-from .serving import PROBE_RULES
+from .serving import PROBE_RULES, refuse_experts
 
 QUANT_METHOD = "cpu_int4"
 FORMAT_VERSION = 1
@@ -181,6 +181,9 @@ class CpuInt4Format(SafetensorsFormat, name="cpu_int4"):
         return Serving("vLLM and the cpu_quant plugin (`pip install cpu-quant[vllm]`; vLLM loads "
                        "the plugin through its `vllm.general_plugins` entry point, no flag "
                        "needed)", f"VLLM_CPU_KVCACHE_SPACE=1 vllm serve {target}")
+
+    def refuse_source(self, source_config: dict) -> str | None:
+        return refuse_experts(source_config)
     # the tinygemm kernel has no one-group-per-row mode; -1 is read only where K is a kernel group
     limits = Limits(groups=(128, 64, 32), row_group=False, k_multiple=32, n_multiple=32,
                     stores_zeros=True, kernel="torch's tinygemm kernel (_weight_int4pack_mm_for_cpu)")

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from ...core.experts import refuse_experts as _refuse
 from ..base import ProbeRule
+
+
+def refuse_experts(config: dict) -> str | None:
+    """Why a mixture-of-experts model cannot be written as cpu_int4, or None for a dense model:
+    the format's vLLM method (``vllm_method.CpuInt4Config``) hands out a linear method only,
+    so vLLM's fused-MoE layers would get no method for the experts' packed tensors, and
+    ``load_quantized`` swaps ``nn.Linear`` modules only."""
+    return _refuse(config, "cpu_int4's vLLM method (the cpu_quant plugin) and load_quantized run "
+                   "linear layers only, no fused-MoE experts; write --format gguf (llama.cpp)")
 
 PROBE_RULES: tuple[ProbeRule, ...] = (
     ProbeRule(

@@ -10,6 +10,7 @@ import gguf
 import torch
 
 from ...core.errors import CpuQuantError
+from .experts import moe_keys, refuse_qwen3_moe
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -76,6 +77,8 @@ class ArchSpec:
     norm_shift: float  # Gemma's RMSNorm multiplies by (1 + w): stored as 1 + w
     head_tensor: bool  # the arch has an ``output`` tensor (Gemma 2 always reads token_embd)
     extra_keys: Callable[[gguf.GGUFWriter, dict], None] | None = None
+    # why llama.cpp's graph of the arch would compute another model than this config's, or None
+    refuse: Callable[[dict], str | None] | None = None
 
     @property
     def name(self) -> str:
@@ -91,6 +94,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN3, False, 0.0, True),  # Qwen3Model
     "Gemma2ForCausalLM": ArchSpec(gguf.MODEL_ARCH.GEMMA2, False, 1.0, False, _gemma2_keys),
     "Gemma3ForCausalLM": ArchSpec(gguf.MODEL_ARCH.GEMMA3, False, 1.0, True, _gemma3_keys),
+    # Qwen3MoeModel (a Qwen2MoeModel): experts stacked, the router F32 (experts.py)
+    "Qwen3MoeForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN3MOE, False, 0.0, True, moe_keys,
+                                    refuse_qwen3_moe),
 }
 
 
@@ -102,6 +108,8 @@ def arch_spec(cfg: dict) -> ArchSpec:
     if spec is None:
         raise CpuQuantError(f"gguf: architecture {name} is not supported (supported: "
                             f"{', '.join(ARCHITECTURES)})")
+    if spec.refuse is not None and (why := spec.refuse(cfg)):
+        raise CpuQuantError(f"gguf: {why}")
     return spec
 
 

@@ -13,6 +13,7 @@ import gguf
 
 from ...core.block_grid import BlockGrid
 from ...core.errors import CpuQuantError
+from ...core.experts import refuse_experts
 from ...core.findings import Finding
 from ..base import Format, Limits, Serving
 from .architectures import arch_spec
@@ -109,6 +110,12 @@ class GGUFTypeMixFormat(GGUFFormat):
         cls.summary = f"llama.cpp, {cls.file_type.name}"
         cls.file_suffix = f"-{cls.file_type.name}.gguf"
         cls.llama_file_type = cls.file_type.llama_file_type
+
+    def refuse_source(self, source_config: dict) -> str | None:
+        why = refuse_experts(source_config, f"{self.name} has no type mix for stacked experts "
+                                            "here (llama.cpp's ffn_*_exps rules are not "
+                                            "ported); write --format gguf (Q4_0)")
+        return why or super().refuse_source(source_config)
 
     def tensor_type(self, module: str, in_features: int, source_config: dict,
                     calibrated: bool) -> gguf.GGMLQuantizationType:

@@ -17,6 +17,7 @@ from ...core.findings import Finding, error, info
 from ...core.grid import GroupQuant
 from .architectures import ARCHITECTURES, LINEARS, ArchSpec, _head_dim, unpermute_rope_rows
 from .block_types import QUANT_TYPES
+from .experts import expected_moe_tensors, expert_modules, unstack
 from .q4_0 import BLOCK_BYTES, F32, Q4_0, unpack_q4_0
 
 
@@ -91,8 +92,15 @@ def unpack(path: Path) -> dict[str, GroupQuant | BlockQuant]:
     reader = _open(Path(path))
     spec, cfg = _reader_config(reader)
     modules = _hf_module_names(spec, cfg["num_hidden_layers"])
+    experts = expert_modules(gguf.get_tensor_name_map(spec.arch, cfg["num_hidden_layers"]),
+                             cfg["num_hidden_layers"])
     out = {}
     for t in reader.tensors:
+        if t.tensor_type == Q4_0 and t.name in experts:  # stacked: one module per expert
+            stacked = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[2]), int(t.shape[1]), -1)
+            for e, blocks in enumerate(unstack(stacked)):
+                out[experts[t.name].format(e)] = unpack_q4_0(blocks)
+            continue
         if t.tensor_type not in quantized_types() or t.name not in modules:
             continue
         blocks = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
@@ -117,8 +125,12 @@ def expected_tensors(spec: ArchSpec, cfg: dict, head_in_file: bool) -> dict[str,
         per.update({"post_attention_norm": (hidden,), "ffn_norm": (hidden,), "post_ffw_norm": (hidden,)})
     else:
         per["ffn_norm"] = (hidden,)
-    if spec.arch in (gguf.MODEL_ARCH.QWEN3, gguf.MODEL_ARCH.GEMMA3):
+    if spec.arch in (gguf.MODEL_ARCH.QWEN3, gguf.MODEL_ARCH.GEMMA3, gguf.MODEL_ARCH.QWEN3MOE):
         per.update({"attn_q_norm": (hd,), "attn_k_norm": (hd,)})
+    if spec.arch == gguf.MODEL_ARCH.QWEN3MOE:  # the experts and the router, no dense MLP
+        for k in ("ffn_gate", "ffn_up", "ffn_down"):
+            del per[k]
+        per.update(expected_moe_tensors(cfg))
     for i in range(n_layers):
         out.update({f"blk.{i}.{k}.weight": v for k, v in per.items()})
     return out
@@ -151,6 +163,8 @@ def _config_from_file(reader: gguf.GGUFReader, arch: str) -> dict:
             "num_key_value_heads": get("attention.head_count_kv", heads),
             "head_dim": get("attention.key_length", hidden // heads if hidden and heads else None),
             "intermediate_size": get("feed_forward_length"),
+            "num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
             "vocab_size": len(tokens) if tokens is not None else get("vocab_size")}
 
 
@@ -190,7 +204,7 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
         if tuple(int(s) for s in t.shape) != shape:
             got = tuple(int(s) for s in t.shape)
             found.append(error("gguf-shape", name, f"shape {got}, expected {shape}"))
-        if name.endswith("norm.weight") and t.tensor_type != F32:
+        if name.endswith(("norm.weight", "ffn_gate_inp.weight")) and t.tensor_type != F32:
             found.append(error("gguf-type", name, f"{t.tensor_type.name}, expected F32"))
         if t.tensor_type in quantized_types():
             bad = _scales_finite(t.tensor_type, np.ascontiguousarray(t.data))
@@ -207,6 +221,10 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
                         if t.tensor_type in quantized_types())
         found.append(info("gguf", path.name, f"{arch}: {len(tensors)} tensors, " + ", ".join(
             f"{n} {name}" for name, n in sorted(types.items()))))
+        experts = _experts_summary(reader)
+        if experts:
+            found.append(info("gguf-experts", path.name, f"experts {experts['experts']}; kept "
+                                                         f"{experts['kept_float']}"))
     return found
 
 
@@ -228,7 +246,21 @@ def inspect(path: Path) -> dict:
             if q_weights else None,
             "bits_per_weight": 8 * tensor_bytes / all_weights if all_weights else math.nan,
             "weights": all_weights, "tensor_bytes": tensor_bytes, "file_bytes": path.stat().st_size,
-            "pre_tokenizer": _field_value(reader, "tokenizer.ggml.pre")}
+            "pre_tokenizer": _field_value(reader, "tokenizer.ggml.pre"), **_experts_summary(reader)}
+
+
+def _experts_summary(reader: gguf.GGUFReader) -> dict:
+    """A mixture-of-experts file's experts, and what stays float: the router."""
+    arch = _field_value(reader, "general.architecture")
+    n = _field_value(reader, f"{arch}.expert_count")
+    if not n:
+        return {}
+    routers = [t for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")]
+    types = sorted({t.tensor_type.name for t in routers})
+    return {"experts": f"{n} per layer, {_field_value(reader, f'{arch}.expert_used_count')} "
+                       f"per token, stacked in ffn_*_exps",
+            "kept_float": f"the router (ffn_gate_inp, {', '.join(types)}, {len(routers)} "
+                          "layers): it picks the experts"}
 
 
 def _file_type_name(value) -> str | None:

@@ -23,6 +23,7 @@ from ..base import Format
 from ..sink import ArtifactInfo, Sink
 from .architectures import ArchSpec, _write_hyperparameters, arch_spec, permute_rope_rows
 from .block_types import QUANT_TYPES
+from .experts import is_router, stacked_name
 from .q4_0 import F32, Q4_0, pack_q4_0
 from .tokenizer import _write_tokenizer
 
@@ -48,7 +49,20 @@ class _Entry:
     gguf_name: str
     hf_name: str
     part: Path
-    kind: str  # q4_0 | a block type's name (Q4_K, ...) | norm | bias | embedding | float_linear
+    kind: str  # q4_0 | a block type's name (Q4_K, ...) | norm | bias | embedding | float_linear | router
+    # a stacked tensor (experts.py): its part tensors, in expert order; hf_name is then the
+    # stacked tensor's name as the converter names it before mapping
+    members: tuple[str, ...] = ()
+
+    def shape(self, f) -> tuple[int, ...]:
+        if self.members:
+            return (len(self.members), *f.get_slice(self.members[0]).get_shape())
+        return tuple(f.get_slice(self.hf_name).get_shape())
+
+    def tensor(self, f) -> torch.Tensor:
+        if self.members:
+            return torch.stack([f.get_tensor(m) for m in self.members])
+        return f.get_tensor(self.hf_name)
 
 
 # the kinds whose part data is the quantized blocks, and their types
@@ -120,12 +134,16 @@ class GGUFSink(Sink):
         names = gguf.get_tensor_name_map(spec.arch, int(cfg["num_hidden_layers"]))
         tied = bool(cfg.get("tie_word_embeddings", False))
         entries = []
+        stacks: dict[str, dict[int, tuple[str, str, Path]]] = {}  # experts.py
         for part in self.parts:
             path = self.parts_dir / part
             with safe_open(path, "pt") as f:
                 keys = sorted(f.keys())
             for hf in keys:
                 kind = self.kinds.get(hf) or _float_kind(hf)
+                if (stacked := stacked_name(hf)) is not None:
+                    stacks.setdefault(stacked[0], {})[stacked[1]] = (hf, kind, path)
+                    continue
                 quantized = kind in QUANTIZED_KINDS
                 if hf == "lm_head.weight" and not quantized and (tied or not spec.head_tensor):
                     continue  # llama.cpp reads token_embd as the head
@@ -136,10 +154,28 @@ class GGUFSink(Sink):
                 if gname is None:
                     raise CpuQuantError(f"gguf: {hf} has no {spec.name} tensor name in llama.cpp")
                 entries.append(_Entry(gname, hf, path, kind))
+        entries += [_stacked_entry(names, spec, name, experts) for name, experts in stacks.items()]
         return sorted(entries, key=lambda e: _tensor_order(e.gguf_name))
 
 
+def _stacked_entry(names: gguf.TensorNameMap, spec: ArchSpec, name: str,
+                   experts: dict[int, tuple[str, str, Path]]) -> _Entry:
+    """One stacked expert tensor from every expert's part tensor (experts.py)."""
+    kinds = {kind for _, kind, _ in experts.values()}
+    paths = {path for _, _, path in experts.values()}
+    if sorted(experts) != list(range(len(experts))) or len(kinds) != 1 or len(paths) != 1:
+        raise CpuQuantError(f"gguf: {name}: the experts' tensors are not one kind, in one layer, "
+                            f"numbered 0..{len(experts) - 1}")
+    gname = names.get_name(name, try_suffixes=(".weight",))
+    if gname is None:
+        raise CpuQuantError(f"gguf: {name} has no {spec.name} tensor name in llama.cpp")
+    return _Entry(gname, name, paths.pop(), kinds.pop(),
+                  tuple(experts[e][0] for e in range(len(experts))))
+
+
 def _float_kind(name: str) -> str:
+    if is_router(name):
+        return "router"
     if "norm" in name.rsplit(".", 2)[-2]:
         return "norm"
     if name.endswith(".bias"):
@@ -175,7 +211,7 @@ def _heads_of(hf_name: str, cfg: dict) -> int:
 
 def _target_type(entry: _Entry) -> gguf.GGMLQuantizationType:
     return {**QUANTIZED_KINDS, "norm": F32, "bias": F32, "embedding": EMBEDDING_TYPE,
-            "float_linear": FLOAT_LINEAR_TYPE}[entry.kind]
+            "float_linear": FLOAT_LINEAR_TYPE, "router": F32}[entry.kind]
 
 
 def _tensor_info(entry: _Entry, shape: tuple[int, ...]) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -215,7 +251,7 @@ def _write_file(path: Path, spec: ArchSpec, cfg: dict, art: ArtifactInfo, entrie
     w.add_bool("cpu_quant.head_quantized", bool(art.head_quantized))
     for e in entries:  # shapes and byte counts first: the header precedes the data
         with safe_open(e.part, "pt") as f:
-            shape = tuple(f.get_slice(e.hf_name).get_shape())
+            shape = e.shape(f)
         np_shape, dtype, nbytes = _tensor_info(e, shape)
         w.add_tensor_info(e.gguf_name, np_shape, dtype, nbytes, raw_dtype=_target_type(e))
     w.write_header_to_file(path=path)
@@ -223,7 +259,7 @@ def _write_file(path: Path, spec: ArchSpec, cfg: dict, art: ArtifactInfo, entrie
     w.write_ti_data_to_file()
     for e in entries:
         with safe_open(e.part, "pt") as f:
-            tensor = f.get_tensor(e.hf_name)
+            tensor = e.tensor(f)
         w.write_tensor_data(_convert(e, tensor, spec, cfg))
     assert w.fout is not None
     for f in w.fout:

