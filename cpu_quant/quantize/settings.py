@@ -97,5 +97,7 @@ class QuantReport:
     distributed: dict | None = None
     # --smooth: the folds, the strength chosen for each, and the statistics pass's time
     smoothing: dict | None = None
+    # a vision-language checkpoint: its family, the calibration, the modules kept bf16 and why
+    vision_language: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
+from ..vision_language import auto_class
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HEADER_LIMIT = 100 * 1024 * 1024
@@ -262,13 +263,15 @@ def load_hf_config(root: str | Path):
 
 def empty_causal_lm(config, dtype: torch.dtype):
     """A causal LM of ``config`` without memory (accelerate's empty weights), or a one-line
-    error for an architecture transformers cannot build."""
+    error for an architecture transformers cannot build. A vision-language family's whole
+    model is built by its own auto class (``vision_language.FAMILIES``)."""
+    import transformers
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
+    auto = getattr(transformers, auto_class(config))
     with init_empty_weights(include_buffers=False):
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return auto.from_config(config, dtype=dtype)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise CpuQuantError(f"unsupported model: {first}") from None
