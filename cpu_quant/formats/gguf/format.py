@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ...core.errors import CpuQuantError
 from ...core.findings import Finding
+from ...core.vision_language import family_of
 from ..base import Format, Limits, Serving
 from .architectures import arch_spec
 from .q4_0 import BLOCK, Q4_0, pack_q4_0, unpack_q4_0
@@ -50,6 +51,11 @@ class GGUFFormat(Format, name="gguf"):
 
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written as GGUF (checked before work)."""
+        family = family_of(source_config)
+        if family is not None:
+            return (f"{family.name} is a vision-language model: this GGUF writer has no layout "
+                    f"for its language model under {family.language_model} nor llama.cpp's "
+                    "separate projector file (mmproj); --format gptq serves it with vLLM")
         try:
             arch_spec(source_config)
         except CpuQuantError as e:
