@@ -49,6 +49,16 @@ def tiny_vlm_gptq(tiny_vlm: Path, tmp_path_factory) -> tuple[Path, object]:
     return dst, report
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm_cpu_int4(tiny_vlm: Path, tmp_path_factory) -> Path:
+    from cpu_quant.formats import get_format
+
+    dst = tmp_path_factory.mktemp("vlm-cpu-int4") / "out"
+    report = quantize_checkpoint(tiny_vlm, dst, SETTINGS, [get_format("cpu_int4")],
+                                 progress=False)
+    return Path(report.outputs["cpu_int4"])
+
+
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     ckpt = open_checkpoint(path)
     try:
@@ -200,17 +210,29 @@ def test_vllm_serves_the_gptq_artifact_with_an_image_like_its_dequantized_weight
     and generates the greedy tokens of the torch model holding the dequantized weights, up to
     the first near-tie (``_assert_greedy_matches_dequantized``'s rule). The two images give the
     torch model different continuations: the image reaches the tokens compared."""
+    dst, _ = tiny_vlm_gptq
+    _assert_served_like_dequantized(dst, tmp_path, ("auto_gptq", "gptq"), vllm_gptq_path())
+
+
+@pytest.mark.vllm
+def test_vllm_serves_the_cpu_int4_artifact_with_an_image_like_its_dequantized_weights(
+        tiny_vlm_cpu_int4, tmp_path):
+    """The same for cpu_int4: the plugin's method honours the same negative rules, and its
+    tinygemm kernel computes with bf16 activations (the W4A16 near-tie)."""
+    _assert_served_like_dequantized(tiny_vlm_cpu_int4, tmp_path, ("cpu_int4",), "w4a16")
+
+
+def _assert_served_like_dequantized(dst: Path, tmp_path: Path, methods: tuple[str, ...],
+                                    path: str) -> None:
     from transformers import AutoProcessor
 
     from cpu_quant.eval.dequantized import load_model
 
-    dst, _ = tiny_vlm_gptq
     results, log = _vllm_image_greedy(dst, tmp_path)
     info = json.loads(next(ln for ln in log.splitlines() if ln.startswith("INFO {"))[5:])
-    assert info["quantization"] in ("auto_gptq", "gptq"), info
+    assert info["quantization"] in methods, info
     processor = AutoProcessor.from_pretrained(dst)
     reference = load_model(dst, torch.bfloat16)
-    path = vllm_gptq_path()
     expected_all = []
     for p, res in zip(PROMPTS, results, strict=True):
         inputs = processor(text=[p["prompt"]], images=[[random_image(p["image_seed"])]],
