@@ -152,6 +152,49 @@ def test_verify_finds_a_vision_linear_without_its_negative_rule(tiny_vlm_gptq, t
     assert len(errors) == 2 * 6  # 2 layers x q, k, v, out, fc1, fc2
 
 
+def test_verify_source_holds_the_kept_tensors_to_the_source_bit_for_bit(
+        tiny_vlm, tiny_vlm_gptq, tmp_path):
+    """``verify --source``: the kept tensors equal the source's; one changed in its last bit
+    (a bf16 step of one element) is an error naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from cpu_quant.verify.source import compare_with_source
+
+    dst, _ = tiny_vlm_gptq
+    findings, summary = compare_with_source(dst, tiny_vlm)
+    assert not findings and summary["kept_tensors"] == 38, findings
+    broken = tmp_path / "broken"
+    shutil.copytree(dst, broken)
+    name = "model.connector.modality_projection.proj.weight"
+    shard = broken / json.loads((broken / "model.safetensors.index.json").read_text())[
+        "weight_map"][name]
+    tensors = load_file(str(shard))
+    bits = tensors[name].view(torch.int16).clone()
+    bits.view(-1)[0] ^= 1
+    tensors[name] = bits.view(torch.bfloat16)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    findings, _ = compare_with_source(broken, tiny_vlm)
+    assert [f.tensor for f in findings] == [name], findings
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("num_hidden_layers", 10**9, "text_config.num_hidden_layers is 1000000000, the checkpoint holds 2"),
+    ("vocab_size", 7, "text_config.vocab_size is 7, model.text_model.embed_tokens.weight"),
+])
+def test_a_language_model_config_its_tensors_contradict_is_refused_before_the_build(
+        tiny_vlm, tmp_path, key, value, needle):
+    """A config stating a billion decoder layers is refused from the header, before a model
+    is built from it (building one would hang), as for a decoder-only model."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_vlm, src)
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"][key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    out = invoke(["gptq", src, tmp_path / "out", "--no-eval"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr
+    assert len(out.error_lines) == 1 and needle in out.error_lines[0], out.stderr
+
+
 def test_gguf_of_a_vision_language_model_is_refused_in_one_line(tiny_vlm, tmp_path):
     out = invoke(["gptq", tiny_vlm, tmp_path / "out", "--format", "gptq,gguf", "--no-eval"])
     assert out.exit_code != 0 and not out.traceback, out.stderr
