@@ -58,6 +58,9 @@ def verify(directory: Path, source: Path | None, as_json: bool) -> None:
                        f"{s['min_db']} dB, median {s['median_db']} dB; worst:")
             for row in s["worst"]:
                 click.echo(f"  {row['snr_db']:>7.2f} dB  {row['module']}")
+            if s.get("kept_tensors"):
+                click.echo(f"source: {s['kept_tensors']} kept tensors (vision tower, projector) "
+                           "compared bit for bit")
         conv = f", {report.zero_convention} zeros" if report.zero_convention else ""
         fmt = report.format or "unknown format"
         click.echo(f"verify: {len(report.errors)} error(s), {len(report.warnings)} warning(s) "

@@ -127,3 +127,57 @@ def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: 
     model.save_pretrained(dst)
     copy_tokenizer(demo_src, dst)
     return dst
+
+
+# -- vision-language ---------------------------------------------------------------------------
+# Idefics3 (SmolVLM): a SigLIP-style vision tower, a pixel-shuffle projector and a Llama decoder.
+# The tiny one's heads are 32 wide (vLLM's CPU attention takes no narrower head), its image
+# 56 pixels square: 4x4 patches of 14, shuffled by 2 into 4 image tokens.
+VLM_SHAPE = TinyShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, tied=False)
+VLM_VISION = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
+VLM_SCALE = 2  # the projector's pixel shuffle
+VLM_VOCAB = 49216  # the demo vocabulary and the image tokens, padded to a multiple of 64
+# the Idefics3 processor's tokens, added to the demo tokenizer in this order
+VLM_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+
+
+def vlm_image_tokens() -> int:
+    """Image tokens per image of the tiny vision-language model."""
+    side = VLM_VISION["image_size"] // VLM_VISION["patch_size"]
+    return side * side // (VLM_SCALE * VLM_SCALE)
+
+
+def make_tiny_vlm(dst: Path, demo_src: Path, seed: int = 0, peaked: bool = True) -> Path:
+    """A tiny random Idefics3 (SmolVLM) model (weights from ``torch.manual_seed(seed)``) with
+    a processor built here: the demo tokenizer plus the image tokens, and Idefics3's PIL image
+    processor (one 56-pixel image, no tiling). ``peaked``: the tied embedding (and head) is
+    scaled to unit variance, so next-token logits spread wide (std ~8) and greedy decoding is
+    not decided by near-ties."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tok = transformers.AutoTokenizer.from_pretrained(demo_src)
+    tok.add_special_tokens({"additional_special_tokens": list(VLM_TOKENS)})
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = tiny_config("llama", VLM_SHAPE, VLM_VOCAB).to_dict()
+    config = transformers.Idefics3Config(
+        text_config=text, vision_config=dict(VLM_VISION), image_token_id=image_id,
+        scale_factor=VLM_SCALE, tie_word_embeddings=False, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(dst)
+    side = VLM_VISION["image_size"]
+    images = transformers.Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": side}, max_image_size={"longest_edge": side})
+    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok,
+                                               image_seq_len=vlm_image_tokens())
+    processor.save_pretrained(dst)
+    if peaked:
+        path = dst / "model.safetensors"
+        tensors = load_file(str(path))
+        head = tensors["lm_head.weight"].float()
+        tensors["lm_head.weight"] = (head / head.std()).to(torch.bfloat16)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return dst

@@ -51,6 +51,7 @@ from ..core.memory import (
     release_free_heap,
 )
 from ..core.naming import HEAD_NAME
+from ..core.vision_language import CALIBRATION, family_of, refuse_vision_language
 from ..data.corpus import load_texts
 from ..formats import DEFAULT_FORMAT, ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
@@ -69,8 +70,10 @@ from .plan import (
     embedding_plan,
     grid_format,
     head_group,
+    kept_rules,
     linear_group,
     on_format_grid,
+    plan_kept,
     plan_linear,
 )
 from .provenance import provenance
@@ -108,9 +111,13 @@ def calibration_batches(src: Path, settings: QuantSettings, texts: list[str]
 def check_source(ckpt, settings: QuantSettings) -> None:
     """Refuse, before any work, a source the run cannot quantize faithfully: integer or fp8
     weights (an already-quantized or foreign checkpoint would be cast to float without a
-    word), a config whose sizes its tensors contradict (before a model is built from it) and a
-    calibration window longer than the model's context."""
+    word), a vision-language checkpoint of a family not supported
+    (``core.vision_language``), a config whose sizes its tensors contradict (before a model is
+    built from it) and a calibration window longer than the model's context."""
     check_float_weights(ckpt)
+    why = refuse_vision_language(ckpt.config)
+    if why:
+        raise CpuQuantError(why)
     check_config_sizes(ckpt)
     context = model_context(ckpt.config)
     if not settings.data_free and context is not None and settings.seqlen > context:
@@ -433,6 +440,11 @@ class QuantizationRun:
         self.stream = LayerStream(ckpt)
         self.layer_plans, self.head_plan, self.embed_plan = plan_model(
             self.stream, settings, self.limits, self.formats)
+        family = family_of(ckpt.config)
+        self.kept = plan_kept(family, {n: ckpt.shape(n) for n in ckpt.names})
+        self.vision_language = None if family is None else {
+            "family": family.name, "calibration": CALIBRATION,
+            "kept": [asdict(k) for k in self.kept]}
 
     def calibrate(self) -> None:
         t_calib = time.perf_counter()
@@ -596,8 +608,13 @@ class QuantizationRun:
         report.head_seconds = round(time.perf_counter() - t0, 3)
         all_plans = [p for plans in self.layer_plans for p in plans.values()] + [self.head_plan]
         self.dynamic = dynamic_overrides([p for p in all_plans if p.quantize or p.reason],
-                                         settings.group_size)
+                                         settings.group_size) | kept_rules(self.kept)
         report.plan_notes = [f"{p.name}: {p.reason}" for p in all_plans if p.reason]
+        report.plan_notes += [f"{k.prefix}*: kept bf16, copied unchanged ({k.why})"
+                              for k in self.kept]
+        if self.vision_language is not None:
+            report.plan_notes.append(f"calibration {CALIBRATION}")
+            report.vision_language = self.vision_language
         if self.smooth_note:
             report.plan_notes.append(self.smooth_note)
         report.tensors = [TensorReport(**t) for t in state.tensors]

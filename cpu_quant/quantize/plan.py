@@ -20,10 +20,13 @@ Rules, in the spirit of llama.cpp's ``llama_tensor_get_type``:
   types) is asked each tensor's grid (``Format.tensor_grid``): every quantized linear and the
   head take it (:func:`on_format_grid`), and the embedding is quantized on its grid too when
   the format gives it one (:func:`embedding_plan`). Such a format is written alone.
+* a vision-language checkpoint's vision tower and projector stay bf16, copied unchanged
+  (``core.vision_language``), each recorded as a negative ``dynamic`` rule.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 from ..core.block_grid import BlockGrid
 from ..core.errors import CpuQuantError
 from ..core.naming import DOWN_LEAF, VLLM_FUSED
+from ..core.vision_language import VisionLanguageFamily
 from ..formats.base import Format, Limits
 
 if TYPE_CHECKING:
@@ -233,3 +237,34 @@ def dynamic_overrides(plans: list[LinearPlan], default_group: int) -> dict[str, 
     return rules
 
 
+
+
+@dataclass(frozen=True)
+class KeptPlan:
+    """Modules of a vision-language checkpoint copied unchanged (bf16), and why."""
+
+    prefix: str
+    why: str
+    tensors: int
+    parameters: int
+
+
+def plan_kept(family: VisionLanguageFamily | None, shapes: dict[str, tuple[int, ...]]
+              ) -> list[KeptPlan]:
+    """The kept modules of a vision-language ``family`` found among the checkpoint's tensors
+    (name -> shape); none for any other model."""
+    if family is None:
+        return []
+    kept = []
+    for module in family.kept:
+        names = [n for n in shapes if n.startswith(module.prefix)]
+        if names:
+            kept.append(KeptPlan(module.prefix, module.why, len(names),
+                                 sum(math.prod(shapes[n]) for n in names)))
+    return kept
+
+
+def kept_rules(kept: list[KeptPlan]) -> dict[str, dict]:
+    """Negative ``dynamic`` rules that leave the kept modules unquantized in vLLM and
+    GPTQModel (these families' module names there are the checkpoint's)."""
+    return {"-:" + re.escape(k.prefix): {} for k in kept}

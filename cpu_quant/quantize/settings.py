@@ -108,5 +108,7 @@ class QuantReport:
     # a mixture-of-experts model: every expert's routed token count, the experts that fell
     # back to round-to-nearest and why, the router kept bf16 (quantize/experts.py)
     experts: dict | None = None
+    # a vision-language checkpoint: its family, the calibration, the modules kept bf16 and why
+    vision_language: dict | None = None
     provenance: dict = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # format -> its directory (after commit)

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import Checkpoint, empty_causal_lm, load_hf_config, tensors_disagree
+from ..core.vision_language import family_of
 
 STORAGE_DTYPE = torch.bfloat16
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -80,6 +81,9 @@ class LayerCall:
 
 
 def _find_layers(model: nn.Module, n_layers: int) -> tuple[str, nn.ModuleList]:
+    family = family_of(model.config)
+    if family is not None:  # its vision tower's layers may be as many, and come first
+        return family.layers, model.get_submodule(family.layers)
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == n_layers and name.endswith("layers"):
             return name, module
@@ -103,6 +107,10 @@ class LayerStream:
         tcfg = text_config(self.config)
         self.n_layers = int(tcfg.num_hidden_layers)
         self.layers_prefix, self.layers = _find_layers(self.model, self.n_layers)
+        # what calibration runs: a vision-language model's language model alone (image-free)
+        family = family_of(self.config)
+        self.calibrated = (self.model.get_submodule(family.language_model) if family
+                           else self.model)
         self.tied = bool(getattr(tcfg, "tie_word_embeddings",
                                  getattr(self.config, "tie_word_embeddings", False)))
         self._check_tensor_names()
@@ -123,9 +131,14 @@ class LayerStream:
         set_module_tensor_to_device(self.model, name, "cpu", value=tensor.to(self.compute))
 
     def _load_outer(self) -> None:
+        """The parameters outside the decoder layers, but the head and a vision-language
+        model's kept modules: calibration is image-free, its vision tower never runs."""
         prefix = self.layers_prefix + "."
+        family = family_of(self.config)
         for name, _ in list(self.model.named_parameters()):
             if name.startswith(prefix) or name == "lm_head.weight":
+                continue
+            if family is not None and family.kept_module(name) is not None:
                 continue
             self._set_param(name, self.ckpt.tensor(name, check_finite=True))
 
@@ -161,7 +174,7 @@ class LayerStream:
         try:
             for ids in batches:
                 try:
-                    self.model(input_ids=ids, use_cache=False)
+                    self.calibrated(input_ids=ids, use_cache=False)
                 except _StopForward:
                     pass
                 hidden.append(sinks[0][-1][0].to(STORAGE_DTYPE))

@@ -232,6 +232,18 @@ def head_section(report: dict) -> str:
     return _table(rows)
 
 
+def vision_language_section(vl: dict | None) -> str:
+    """A vision-language checkpoint: what was quantized, what was kept unquantized and why,
+    and how it was calibrated."""
+    if not vl:
+        return ""
+    rows = [(f"{k['prefix']}*", f"bf16, copied unchanged ({k['tensors']} tensors, "
+             f"{k['parameters']:,} parameters)", k["why"]) for k in vl.get("kept", [])]
+    return (f"<p>{escape(str(vl.get('family')))}: the language model's linears and the head "
+            f"are quantized; calibration {escape(str(vl.get('calibration')))}.</p>"
+            + _table(rows, ("modules", "stored", "why")))
+
+
 def _err(d: dict, key: str) -> float:
     v = d.get(key)
     return v if isinstance(v, int | float) and math.isfinite(v) else 0.0
@@ -319,6 +331,8 @@ def render_report_html(report: dict, title: str) -> str:
         ("Damping and group fallbacks", fallbacks_section(report)),
         ("Experts", experts_section(report.get("experts"))),
         ("The head", head_section(report)),
+        *([("Vision-language", vision_language_section(report["vision_language"]))]
+          if report.get("vision_language") else []),
         ("Fidelity", fidelity_section(report.get("fidelity"))),
         ("Timings and memory", timing_section(report)),
         ("Provenance", _table(sorted((k, json.dumps(v) if isinstance(v, dict | list) else v)

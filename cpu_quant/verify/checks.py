@@ -40,6 +40,7 @@ from ..core.findings import info as _info
 from ..core.findings import warning as _warn
 from ..core.io.checkpoint import Checkpoint, open_checkpoint, parse_json
 from ..core.naming import HEAD_NAME, VLLM_FUSED, group_for_module
+from ..core.vision_language import auto_class, family_of
 from ..formats import (
     SafetensorsFormat,
     format_for_quant_method,
@@ -193,8 +194,9 @@ def _text_config(config: dict) -> dict:
 
 def build_architecture(config: dict) -> Architecture:
     """Instantiate the model class on the meta device to learn its parameter names and shapes."""
+    import transformers
     from torch import nn
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     cfg = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -206,7 +208,7 @@ def build_architecture(config: dict) -> Architecture:
     try:
         hf_config = AutoConfig.for_model(model_type, **cfg)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = getattr(transformers, auto_class(hf_config)).from_config(hf_config)
     finally:
         hf_logging.set_verbosity(verbosity)
     unique = {n for n, _ in model.named_parameters()}
@@ -556,9 +558,30 @@ def check_finite(ctx: Context) -> Iterator[Finding]:
         yield _err("finite", name, f"{n_nan} NaN and {n_inf} Inf values")
 
 
+def check_vision_language(ctx: Context) -> Iterator[Finding]:
+    """A vision-language checkpoint: which modules are quantized (the language model's) and
+    which are kept bf16 (its vision tower and projector), and why (``core.vision_language``).
+    A kept module stored quantized is a warning: cpu-quant never writes one."""
+    family = family_of(ctx.ckpt.config)
+    if family is None:
+        return
+    language = [m for m in ctx.modules if family.kept_module(m) is None]
+    yield _info("vision-language", None, f"{family.name}: {len(language)} quantized linears, "
+                "all of the language model")
+    for kept in family.kept:
+        quantized = sorted(m for m in ctx.modules if m.startswith(kept.prefix))
+        if quantized:
+            yield _warn("vision-language", quantized[0], f"{len(quantized)} quantized modules "
+                        f"under {kept.prefix}*, which cpu-quant keeps bf16 ({kept.why})")
+            continue
+        tensors = [n for n in ctx.names if n.startswith(kept.prefix)]
+        yield _info("vision-language", f"{kept.prefix}*", f"{len(tensors)} tensors kept "
+                    f"unquantized ({kept.why})")
+
+
 CHECKS: tuple[Callable[[Context], Iterable[Finding]], ...] = (
     check_config, check_index, check_modules, check_architecture, check_head,
-    check_format_values, check_finite,
+    check_format_values, check_finite, check_vision_language,
 )
 # The checks that need no per-module parameters: all that can run on an unreadable config.
 CONFIG_FREE_CHECKS = (check_config, check_index, check_finite)

@@ -32,6 +32,7 @@ from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import open_checkpoint
 from ..core.naming import HEAD_NAME
 from ..core.source_grid import checkpoint_grid
+from ..core.vision_language import family_of
 from ..formats import format_owning
 from .checks import (
     DTYPE_BYTES,
@@ -77,6 +78,9 @@ class InspectReport:
     notes: list[str] = field(default_factory=list)
     # an unquantized checkpoint: the quantization grid its linears already sit on
     source_grid: dict | None = None
+    # a vision-language checkpoint: the modules kept unquantized (prefix, tensors, bytes,
+    # dtypes, quantized modules among them, why)
+    kept: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA, **asdict(self)}
@@ -105,10 +109,28 @@ class InspectReport:
         if self.source_grid is not None:
             out.append(f"source grid  {self.source_grid['summary']} (rows sampled, blocks of "
                        f"{self.source_grid['block']})")
+        for k in self.kept:
+            out.append(f"kept         {k['prefix']}* {k['tensors']} tensors, "
+                       f"{k['bytes'] / mb:.2f} MB {'/'.join(k['dtypes'])}, "
+                       f"{k['quantized']} quantized: {k['why']}")
         if self.report:
             out.append("report       " + ", ".join(f"{k}={v}" for k, v in self.report.items()))
         out.extend(f"note         {n}" for n in self.notes)
         return out
+
+
+def _kept_modules(ckpt, modules: dict) -> list[dict]:
+    """A vision-language checkpoint's modules that cpu-quant keeps unquantized, as stored."""
+    family = family_of(ckpt.config)
+    rows = []
+    for kept in family.kept if family else ():
+        names = [n for n in ckpt.names if n.startswith(kept.prefix)]
+        rows.append({"prefix": kept.prefix, "tensors": len(names),
+                     "bytes": sum(tensor_bytes(ckpt, n) for n in names),
+                     "dtypes": sorted({ckpt.dtype(n) for n in names}),
+                     "quantized": sum(m.startswith(kept.prefix) for m in modules),
+                     "why": kept.why})
+    return rows
 
 
 def _kind(name: str, suffixes: tuple[str, ...], ndim: int, head: str) -> str:
@@ -268,6 +290,7 @@ def inspect_checkpoint(path: str | Path) -> InspectReport | FormatSummary:
             files=len(ckpt.headers),
             notes=notes,
             source_grid=None if spec else checkpoint_grid(ckpt).to_json(),
+            kept=_kept_modules(ckpt, modules),
         )
     finally:
         ckpt.close()

@@ -18,6 +18,9 @@ about -60 dB. 6 dB leaves a margin of ~9 dB on the correct side and ~6 dB on the
 A module below the threshold is an error, and its cause is named where it can be told: the
 weights of another source module of the same shape in the same layer (swapped), the transposed
 source weight, or a magnitude far from the source's (the scales).
+
+A vision-language artifact's kept tensors (its vision tower and projector) must equal the
+source's bit for bit in bf16; any other is an error.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..core.findings import Finding, error
 from ..core.io.checkpoint import Checkpoint, check_float_weights, open_checkpoint
 from ..core.naming import HEAD_NAME
 from ..core.smoothing_factors import HEAD, SmoothedCheckpoint, load_factors, smoothed_source
+from ..core.vision_language import family_of
 from ..formats import format_for_quant_method, format_owning
 
 WORST_SHOWN = 5
@@ -130,6 +134,31 @@ def _source_weight(src: Checkpoint, name: str) -> torch.Tensor:
         raise CpuQuantError(f"--source: {exc}") from None
 
 
+def _compare_kept(root: Path, src: Checkpoint) -> tuple[list[Finding], int]:
+    """(error findings, tensors compared): a vision-language artifact's kept tensors (vision
+    tower, projector) against the source's, which they must equal bit for bit in bf16."""
+    if format_owning(root) is not None:
+        return [], 0
+    art = open_checkpoint(root)
+    try:
+        family = family_of(art.config)
+        kept = [n for n in art.names if family and family.kept_module(n)]
+        findings = []
+        for name in kept:
+            if name not in src.names:
+                findings.append(error("source", name, "kept unquantized, but the source has no "
+                                      "such tensor"))
+                continue
+            got, want = art.tensor(name), src.tensor(name).to(torch.bfloat16)
+            if (got.dtype != want.dtype or got.shape != want.shape
+                    or not torch.equal(got.view(torch.int16), want.view(torch.int16))):
+                findings.append(error("source", name, "kept unquantized, but not the source's "
+                                      "tensor (bf16, bit for bit)"))
+        return findings, len(kept)
+    finally:
+        art.close()
+
+
 def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Finding], dict]:
     """(error findings, the JSON summary) of every quantized module of ``root`` against the
     weights of ``source``."""
@@ -160,6 +189,8 @@ def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Find
                 findings.append(error("source", module, f"SNR {snr:.1f} dB against the source "
                                       f"(a correct 4-bit module gives >= {MIN_SNR_DB:g}): "
                                       f"{_cause(src, name, w, w_hat)}"))
+        kept_findings, kept = _compare_kept(Path(root), src)
+        findings += kept_findings
     finally:
         src.close()
     worst = sorted(results, key=lambda r: r.snr_db)[:WORST_SHOWN]
@@ -171,6 +202,8 @@ def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Find
         "median_db": round(sorted(finite)[len(finite) // 2], 2) if finite else None,
         "worst": [{"module": r.module, "snr_db": round(r.snr_db, 2)} for r in worst],
     }
+    if kept:  # a vision-language artifact: its vision tower and projector, copied unchanged
+        summary["kept_tensors"] = kept
     if not results and not findings:
         findings.append(error("source", None, "the artifact holds no quantized module to compare"))
     return findings, summary

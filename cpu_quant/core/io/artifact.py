@@ -37,6 +37,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
+    # a vision-language model's processor (its image processor's settings)
+    "processor_config.json", "preprocessor_config.json",
 )
 
 

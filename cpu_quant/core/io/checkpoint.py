@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CpuQuantError
+from ..vision_language import auto_class, family_of
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HEADER_LIMIT = 100 * 1024 * 1024
@@ -208,15 +209,22 @@ def config_size_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str
     of a trillion tokens is refused before a model is built from it (building one hangs or
     allocates terabytes); the full comparison, tensor by tensor, comes after the build. More layers on
     disk than the config states are left to it (some checkpoints carry extra prediction
-    layers); a checkpoint named otherwise is not checked here."""
-    embed = shapes.get(EMBEDDING)
+    layers); a checkpoint named otherwise is not checked here. A vision-language family's
+    language model is checked the same way under its own prefix, against its ``text_config``."""
+    family = family_of(config)
+    embedding, decoder_layer, where = EMBEDDING, DECODER_LAYER, ""
+    if family is not None and isinstance(config.get("text_config"), dict):
+        config, where = config["text_config"], "text_config."
+        embedding = f"{family.language_model}.embed_tokens.weight"
+        decoder_layer = re.compile(re.escape(family.layers) + r"\.(\d+)\.")
+    embed = shapes.get(embedding)
     value = config.get("vocab_size")
     if embed and isinstance(value, int) and value != embed[0]:
-        return f"vocab_size is {value}, {EMBEDDING} has shape {list(embed)}"
-    layers = {int(m.group(1)) for n in shapes if (m := DECODER_LAYER.match(n))}
+        return f"{where}vocab_size is {value}, {embedding} has shape {list(embed)}"
+    layers = {int(m.group(1)) for n in shapes if (m := decoder_layer.match(n))}
     value = config.get("num_hidden_layers")
     if layers and isinstance(value, int) and value > len(layers):
-        return f"num_hidden_layers is {value}, the checkpoint holds {len(layers)} layers"
+        return f"{where}num_hidden_layers is {value}, the checkpoint holds {len(layers)} layers"
     return None
 
 
@@ -262,17 +270,19 @@ def load_hf_config(root: str | Path):
 
 def empty_causal_lm(config, dtype: torch.dtype):
     """A causal LM of ``config`` without memory (accelerate's empty weights), or a one-line
-    error for an architecture transformers cannot build. A mixture-of-experts model's fused
-    experts are put back as one linear per expert projection, named as the checkpoint's
-    tensors (``core.experts``)."""
+    error for an architecture transformers cannot build. A vision-language family's whole
+    model is built by its own auto class (``vision_language.FAMILIES``). A mixture-of-experts
+    model's fused experts are put back as one linear per expert projection, named as the
+    checkpoint's tensors (``core.experts``)."""
+    import transformers
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     from ..experts import unfuse_experts
 
+    auto = getattr(transformers, auto_class(config))
     with init_empty_weights(include_buffers=False):
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = auto.from_config(config, dtype=dtype)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise CpuQuantError(f"unsupported model: {first}") from None

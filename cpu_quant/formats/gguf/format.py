@@ -15,6 +15,7 @@ from ...core.block_grid import BlockGrid
 from ...core.errors import CpuQuantError
 from ...core.experts import refuse_experts
 from ...core.findings import Finding
+from ...core.vision_language import family_of
 from ..base import Format, Limits, Serving
 from .architectures import arch_spec
 from .block_types import QUANT_TYPES
@@ -61,6 +62,11 @@ class GGUFFormat(Format, name="gguf"):
 
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written as GGUF (checked before work)."""
+        family = family_of(source_config)
+        if family is not None:
+            return (f"{family.name} is a vision-language model: this GGUF writer has no layout "
+                    f"for its language model under {family.language_model} nor llama.cpp's "
+                    "separate projector file (mmproj); --format gptq serves it with vLLM")
         try:
             arch_spec(source_config)
         except CpuQuantError as e:
