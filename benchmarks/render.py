@@ -29,6 +29,7 @@ RENDERED = {"scale": "benchmarks.suites.scale", "determinism": "benchmarks.suite
             "runtime": "benchmarks.suites.runtime", "phone": "benchmarks.suites.phone",
             "hessian_cost": "benchmarks.suites.hessian_cost",
             "core_scaling": "benchmarks.suites.core_scaling",
+            "calibration": "benchmarks.suites.calibration",
             "test-tiers": "benchmarks.test_tiers"}
 BLOCK = re.compile(r"<!-- (?P<suite>[\w-]+) table: begin -->\n.*?<!-- (?P=suite) table: end -->",
                    re.S)

@@ -16,7 +16,8 @@ of 5 bits or fewer before any arm runs:
 
 Arms ``MODEL:CALIB``: one GPTQ build per arm (the default settings, 128 × 512 calibration
 tokens, ``--threads 2``, only ``--calib`` differs), then each pass scores that artifact on every
-domain in turn (``cpu-quant eval ART --reference SRC --text DOMAIN``, :data:`EVAL` windows). The
+domain in turn with ``cpu-quant eval``'s evaluator, both models loaded once per pass
+(:func:`score_domains`; :data:`EVAL`: 8 windows × 512 tokens per domain). The
 ``mix`` arm of a model is compared with its ``austen`` arm (``baseline_of``): the harness' ratio
 of ``kl_<domain>`` is the target's ratio (issue 44: ≤ 0.85 on a held-out domain).
 
@@ -46,7 +47,7 @@ from . import quantize as q
 
 DOMAINS = ("italian", "javascript", "debian-faq", "austen")
 CALIBS = ("austen", "mix")
-EVAL = {"windows": 16, "seqlen": 512, "prompts": 4, "new_tokens": 16}
+EVAL = {"windows": 8, "seqlen": 512, "prompts": 2, "new_tokens": 16}
 EVAL_SMOKE = {"windows": 2, "seqlen": 32, "prompts": 1, "new_tokens": 4}
 REAL = {"samples": 128, "seqlen": 512, "batch_size": 8, "threads": 2}
 SMOKE = {"samples": 4, "seqlen": 64, "batch_size": 4, "threads": 2}
@@ -115,29 +116,63 @@ def gemma_source(cache: Path) -> Path:
     return target
 
 
+MODELS = ("smollm2", "gemma3")
+
+
+def _source(name: str) -> Path:
+    if name == "smollm2":
+        from cpu_quant.models.demo import demo_model_path
+
+        return demo_model_path()
+    return gemma_source(q.gptqmodel_env._cache_root())
+
+
 def judging_models(opts: q.SuiteOptions) -> dict[str, Path]:
-    """The off-grid copies of the judging models, under the suite's work directory."""
+    """The off-grid copies of the judging models that the selected arms use (``--arms``), under
+    the suite's work directory."""
     from cpu_quant.models.off_grid import perturb_off_grid
 
     inputs = opts.workdir / "inputs"
     if opts.smoke:
         sources = {"tiny": q.source_model(opts)}
     else:
-        from cpu_quant.models.demo import demo_model_path
-
-        cache = q.gptqmodel_env._cache_root()
-        sources = {"smollm2": demo_model_path(), "gemma3": gemma_source(cache)}
+        wanted = {a.split(":")[0] for a in opts.arms} if opts.arms else set(MODELS)
+        sources = {name: _source(name) for name in MODELS if name in wanted}
     return {name: perturb_off_grid(src, inputs / f"{name}-off-grid")
             for name, src in sources.items()}
 
 
-def eval_script(artifact: Path, src: Path, workdir: Path, ev: dict) -> list[str]:
-    """One shell command: ``cpu-quant eval`` on every domain in turn, one JSON each."""
-    cli = " ".join(q.CLI)
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ev.items())
-    steps = [f"{cli} eval {artifact} --reference {src} --text {d} {flags} --threads 2 -q "
-             f"--output-json {workdir / f'eval-{d}.json'}" for d in DOMAINS]
-    return ["sh", "-c", " && ".join(steps)]
+def eval_argv(artifact: Path, src: Path, workdir: Path, ev: dict) -> list[str]:
+    """One process scoring ``artifact`` on every domain in turn (:func:`score_domains`)."""
+    return [sys.executable, "-m", "benchmarks.suites.calibration", str(artifact), str(src),
+            str(workdir), *(f"--{k.replace('_', '-')}={v}" for k, v in ev.items())]
+
+
+def score_domains(artifact: Path, src: Path, out: Path, ev: dict, threads: int = 2) -> None:
+    """``cpu-quant eval ART --reference SRC --text DOMAIN`` for every domain, the two models
+    loaded once (``eval.fidelity.compare_models``, the evaluator ``cpu-quant eval`` runs):
+    ``eval-DOMAIN.json`` holds what ``--output-json`` writes (``settings``, ``fidelity``)."""
+    from dataclasses import asdict
+
+    import torch
+
+    from cpu_quant.core.io.checkpoint import load_tokenizer
+    from cpu_quant.eval.dequantized import load_model
+    from cpu_quant.eval.fidelity import _check_consistent, compare_models
+    from cpu_quant.eval.settings import EvalSettings
+
+    torch.set_num_threads(threads)
+    _check_consistent(artifact)  # verify's checks, as eval runs them
+    tok = load_tokenizer(src)
+    reference, quantized = load_model(src), load_model(artifact)
+    for d in DOMAINS:
+        settings = EvalSettings(**ev, text=d)
+        fid = compare_models(reference, quantized, tok, settings)
+        doc = {"command": "eval", "quantized": str(artifact), "reference": str(src),
+               "settings": asdict(settings), "fidelity": {k: v.as_dict() for k, v in fid.items()},
+               "threads": torch.get_num_threads()}
+        (out / f"eval-{d}.json").write_text(json.dumps(doc, indent=1))
+        print(f"{d}: KL {fid['weights'].kl_mean:.5f}", file=sys.stderr, flush=True)
 
 
 def _collect(ev: dict):
@@ -185,7 +220,7 @@ def build(opts: q.SuiteOptions) -> Suite:
 
             def command(ctx: PassContext, src=src) -> Command:
                 assert ctx.build_dir is not None
-                return Command(eval_script(ctx.build_dir / "artifact", src, ctx.workdir, ev),
+                return Command(eval_argv(ctx.build_dir / "artifact", src, ctx.workdir, ev),
                                timeout=timeout)
 
             arms.append(Arm(name, {"model": model, "source": str(src), "calib": calib,
@@ -214,3 +249,22 @@ def render(results: Path, docs: Path) -> str:
     """The results page's block: the newest result file's table, with each domain's KL
     standard error of the last pass."""
     return harness_block(results, docs, "calibration", "python -m benchmarks run calibration")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=score_domains.__doc__.splitlines()[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("source", type=Path)
+    ap.add_argument("out", type=Path)
+    for key, value in EVAL.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+    args = ap.parse_args(argv)
+    score_domains(args.artifact, args.source, args.out,
+                  {k: getattr(args, k) for k in EVAL})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
