@@ -176,3 +176,39 @@ def test_the_build_script_refuses_a_missing_package_in_one_line(tmp_path, capsys
     (empty / f"{script.deb_name('fortunes-it', version)}all.deb").write_bytes(b"x")
     with pytest.raises(script.BuildError, match="expected"):
         script.fetch_deb("fortunes-it", tmp_path, empty)
+
+
+def _on_q4_1_grid(src: Path, dst: Path) -> Path:
+    """``src`` with every linear weight stored as GGUF Q4_1 and dequantized (as the registry
+    models are)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    for name, w in state.items():
+        if w.ndim == 2 and "proj" in name:
+            q = dequantize(quantize(w.float().numpy().astype(np.float32), T.Q4_1), T.Q4_1)
+            state[name] = torch.from_numpy(q.reshape(w.shape)).to(w.dtype)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_the_judging_copy_sits_on_no_grid_and_a_zero_perturbation_is_refused(tiny_llama,
+                                                                             tmp_path):
+    from cpu_quant.core.io.checkpoint import open_checkpoint
+    from cpu_quant.core.source_grid import checkpoint_grid
+    from cpu_quant.models.off_grid import perturb_off_grid
+
+    on_grid = _on_q4_1_grid(tiny_llama, tmp_path / "on-grid")
+    assert checkpoint_grid(open_checkpoint(on_grid)).on_a_grid
+    moved = perturb_off_grid(on_grid, tmp_path / "off-grid")
+    grid = checkpoint_grid(open_checkpoint(moved))
+    assert set(grid.counts()) == {"no grid of 5 bits or fewer"}
+    again = perturb_off_grid(on_grid, tmp_path / "again")  # deterministic: the same bytes
+    assert (again / "model.safetensors").read_bytes() == (moved / "model.safetensors").read_bytes()
+    with pytest.raises(CpuQuantError, match="still on a grid"):
+        perturb_off_grid(on_grid, tmp_path / "unmoved", rel=0.0)
