@@ -202,7 +202,7 @@ class Calibration:
         return token_windows(tokenizer, list(self.texts), n_samples, seqlen)
 
 
-DEFAULT_CALIBRATION = "austen"
+DEFAULT_CALIBRATION = "mix"  # measured: docs/gptq.md#calibration-text
 
 
 def describe_calibration(calib: str | None) -> str:
