@@ -166,7 +166,9 @@ def _setting_rows(report: dict) -> list[str]:
     from .core.naming import DOWN_LEAF, HEAD_NAME
 
     s = report.get("settings", {})
-    calib = s.get("calib") or "austen (built-in: the first half of six Austen novels)"
+    from .data.mix import describe_calibration
+
+    calib = describe_calibration(s.get("calib"))
     calibration = ("none (data-free)" if calib == "none" else
                    f"{calib}: {s.get('samples')} windows × {s.get('seqlen')} tokens "
                    f"({report.get('calibration_tokens', 0)} tokens) in batches of "

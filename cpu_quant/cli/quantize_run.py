@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from ..core.errors import CpuQuantError
+from ..data.mix import DEFAULT_CALIBRATION
 from ..quantize.settings import DEFAULT_RANK_TIMEOUT, METHODS, QuantSettings
 from .conventions import overwrite_option, run_options
 
@@ -196,8 +197,10 @@ def quantize_options(fn):
         click.option("--method", type=click.Choice(METHODS), default=DEFAULTS.method, show_default=True,
                      help="Calibrated GPTQ, or round-to-nearest (data-free with --calib none)."),
         click.option("--calib", default=None,
-                     help="Calibration text: 'austen' (built-in, default), 'none' (data-free, rtn "
-                          "only), a .txt, a .jsonl with a 'text' field, or a directory of them."),
+                     help=f"Calibration text: 'mix' (built-in: prose, dialogue in the chat "
+                          f"template, code and four languages), 'austen' (built-in: six Austen "
+                          f"novels), 'none' (data-free, rtn only), a .txt, a .jsonl with a 'text' "
+                          f"field, or a directory of them [default: {DEFAULT_CALIBRATION}]."),
         click.option("--samples", type=int, default=DEFAULTS.samples, show_default=True,
                      help="Number of calibration windows."),
         click.option("--seqlen", type=int, default=DEFAULTS.seqlen, show_default=True,

@@ -6,6 +6,9 @@ Built-in corpus: the six Jane Austen novels (public domain), built by
 ``CALIBRATION_FRACTION`` of its length: the first part is the **calibration** split, the rest the
 **held-out** split. Fidelity is only ever measured on the held-out split.
 
+The built-in calibration mix (``--calib mix``) and the held-out judging domains
+(``eval --text italian|javascript|debian-faq``) are in ``mix.py``.
+
 User calibration (``--calib``): a ``.txt`` file, a ``.jsonl`` file with a ``text`` field per
 line, or a directory holding such files (read in sorted order).
 

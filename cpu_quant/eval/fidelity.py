@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import load_tokenizer, model_context, open_checkpoint
-from ..data.corpus import load_texts, token_windows
+from ..data.corpus import token_windows
+from ..data.mix import check_heldout, heldout_texts
 from ..quantize.hessians import int8_per_token
 from . import stats
 from .reference_logits import (
@@ -83,13 +84,15 @@ class FidelityReport:
         return asdict(self)
 
 
-def _heldout_texts(settings: EvalSettings) -> list[str]:
-    return load_texts(settings.text, "heldout") if settings.text else load_texts(None, "heldout")
+def _heldout_texts(settings: EvalSettings, tokenizer) -> list[str]:
+    """``--text``: the Austen held-out split, a held-out domain (``data.mix.HELDOUT``, dialogue
+    in ``tokenizer``'s chat template) or a file."""
+    return heldout_texts(settings.text, tokenizer)
 
 
 def _eval_windows(tokenizer, settings: EvalSettings, texts: list[str] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    texts = texts if texts is not None else _heldout_texts(settings)
+    texts = texts if texts is not None else _heldout_texts(settings, tokenizer)
     total = settings.windows + settings.prompts
     wins = token_windows(tokenizer, texts, total, max(settings.seqlen, settings.prompt_len))
     # every k-th window is a prompt, so both prompts and scored windows span all novels
@@ -321,8 +324,9 @@ def save_reference_logits(reference_path: str | Path, path: str | Path,
     settings = settings or EvalSettings()
     settings.validate()
     _check_checkpoint("--reference", reference_path, settings, float_weights=True)
+    check_heldout(settings.text)
     tok = _load_tokenizer(reference_path)
-    texts = _heldout_texts(settings)
+    texts = _heldout_texts(settings, tok)
     scored, prompts = _eval_windows(tok, settings, texts)
     ref = _run_reference(reference_path, scored, prompts, texts, settings, dtype, progress)
     return save_reference(path, ref)
@@ -430,13 +434,14 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | N
     settings.validate()
     if reference_logits is None and reference_path is None:
         raise CpuQuantError("give --reference SRC or --reference-logits FILE")
-    texts = _heldout_texts(settings)  # a bad --text file, before any model is read
+    check_heldout(settings.text)  # a bad --text, before any model is read
     _check_checkpoint("QUANT", quantized_path, settings)
     if reference_logits is None:
         _check_checkpoint("--reference", reference_path, settings, float_weights=True)
     _check_consistent(quantized_path)  # verify's checks: after the quick ones of both sides
     saved = load_reference(reference_logits) if reference_logits is not None else None
     tok = _load_tokenizer(reference_path if reference_logits is None else quantized_path)
+    texts = _heldout_texts(settings, tok)
     scored, prompts = _eval_windows(tok, settings, texts)
     plan = plan_memory(reference_path if saved is None else None, quantized_path, dtype)
     if plan.note and progress:

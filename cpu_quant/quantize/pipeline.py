@@ -52,7 +52,7 @@ from ..core.memory import (
 )
 from ..core.naming import HEAD_NAME
 from ..core.vision_language import CALIBRATION, family_of, refuse_vision_language
-from ..data.corpus import load_texts
+from ..data.mix import Calibration, load_calibration
 from ..formats import DEFAULT_FORMAT, ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
 from . import experts, smooth_fold
@@ -97,13 +97,11 @@ from .streaming import LayerStream
 CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offloaded runs)
 
 
-def calibration_batches(src: Path, settings: QuantSettings, texts: list[str]
+def calibration_batches(src: Path, settings: QuantSettings, calibration: Calibration
                         ) -> list[torch.Tensor]:
-    """The calibration token windows of ``texts`` (``--calib``), in batches."""
-    from ..data.corpus import token_windows
-
+    """The calibration token windows of ``--calib`` (``data.mix.Calibration``), in batches."""
     tok = load_tokenizer(src)
-    windows = token_windows(tok, texts, settings.samples, settings.seqlen)
+    windows = calibration.windows(tok, settings.samples, settings.seqlen)
     ids = torch.tensor(windows, dtype=torch.long)
     return list(torch.split(ids, settings.batch_size))
 
@@ -416,7 +414,7 @@ class QuantizationRun:
         self.threshold = MMAP_THRESHOLD_LOW if settings.offload_activations else MMAP_THRESHOLD
         self.mmap_pinned = pin_mmap_threshold(self.threshold)
         # a bad --calib file is refused before the model is read
-        self.texts = [] if settings.data_free else load_texts(settings.calib, "calibration")
+        self.calibration = None if settings.data_free else load_calibration(settings.calib)
         ckpt = open_checkpoint(self.src)
         for fmt in self.formats:
             why = fmt.refuse_source(ckpt.config)
@@ -449,7 +447,7 @@ class QuantizationRun:
     def calibrate(self) -> None:
         t_calib = time.perf_counter()
         self.batches = ([] if self.settings.data_free
-                        else calibration_batches(self.src, self.settings, self.texts))
+                        else calibration_batches(self.src, self.settings, self.calibration))
         self.calib_seconds = time.perf_counter() - t_calib
 
     def smooth(self) -> None:
