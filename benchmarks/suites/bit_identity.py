@@ -3,9 +3,11 @@
 The byte-identity acceptance of a refactoring (issue 42): on the demo model, one arm per
 command (:data:`benchmarks.bit_identity.COMMANDS`),
 
-``gptq``         ``cpu-quant gptq SRC DST --no-eval`` (every other setting the default)
-``formats``      ``cpu-quant gptq SRC DST --format gptq,cpu_int4,gguf --no-eval``
-``tinygemm``     ``cpu-quant tinygemm SRC DST --no-eval``
+``gptq``         ``cpu-quant gptq SRC DST --calib austen --no-eval`` (every other setting the
+                 default; the calibration pinned to the Austen corpus, the default before the
+                 mix, so that references from before and after that change run the same text)
+``formats``      ``cpu-quant gptq SRC DST --calib austen --format gptq,cpu_int4,gguf --no-eval``
+``tinygemm``     ``cpu-quant tinygemm SRC DST --calib austen --no-eval``
 ``phone-8da4w``  ``cpu-quant export-phone SRC DST --backend xnnpack --scheme 8da4w``
 
 Each arm's **build** runs its command from the reference revision (``--reference REV``,
