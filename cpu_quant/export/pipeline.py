@@ -36,6 +36,7 @@ from ..core.io.artifact import StagedOutput, check_destination
 from ..core.io.checkpoint import check_config_sizes, check_float_weights, load_tokenizer, open_checkpoint
 from ..core.smoothing_factors import load_factors
 from ..data.corpus import load_texts
+from ..data.mix import Calibration, load_calibration
 from . import qnn, readback, xnnpack
 from . import weights as phone_weights
 from .graph import GraphShape
@@ -264,23 +265,23 @@ def calibration_windows(tok, settings: PhoneExportSettings, texts: list[str]
     if settings.calib_samples == 0:
         return []
     length = min(settings.calib_len, settings.max_seq_len)
-    return _windows(tok, texts, settings.calib_samples, length,
-                    f"min(128, --max-seq-len) = {length}")
+    return _windows(Calibration("calibration", tuple(texts)), tok, settings.calib_samples,
+                    length, f"min(128, --max-seq-len) = {length}")
 
 
 def gptq_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
-    """The windows the export's own GPTQ run calibrates on (as ``cpu-quant gptq`` picks them)."""
+    """The windows the export's own GPTQ run calibrates on (as ``cpu-quant gptq`` picks them:
+    without ``--calib``, its default, the calibration mix)."""
     if not settings.runs_gptq:
         return []
-    return _windows(tok, load_texts(settings.calib, "calibration"), settings.gptq_samples,
+    return _windows(load_calibration(settings.calib), tok, settings.gptq_samples,
                     settings.gptq_seqlen, f"--seqlen {settings.gptq_seqlen}")
 
 
-def _windows(tok, texts: list[str], samples: int, length: int, what: str) -> list[list[int]]:
-    from ..data.corpus import token_windows
-
+def _windows(calibration: Calibration, tok, samples: int, length: int, what: str
+             ) -> list[list[int]]:
     try:
-        return token_windows(tok, texts, samples, length)
+        return calibration.windows(tok, samples, length)
     except CpuQuantError as exc:  # phrased in the quantize commands' flags; restate in ours
         if "too short" not in str(exc):
             raise
