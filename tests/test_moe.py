@@ -127,11 +127,11 @@ def test_per_expert_hessians_equal_a_slow_reference(small_moe: Path) -> None:
     them: the counts equal a by-hand routing of every token, and the Hessians its float64
     ``2 XᵀX / n`` within the fixed-point product's float32 rounding (1e-5 relative)."""
     from cpu_quant.core.io.checkpoint import open_checkpoint
-    from cpu_quant.data.corpus import load_texts
+    from cpu_quant.data.mix import load_calibration
     from cpu_quant.quantize.pipeline import calibration_batches
 
     settings = QuantSettings(**CALIB)
-    batches = calibration_batches(small_moe, settings, load_texts(None, "calibration"))
+    batches = calibration_batches(small_moe, settings, load_calibration("austen"))
     ckpt = open_checkpoint(small_moe)
     stream = LayerStream(ckpt)
     hidden = stream.capture(batches)
