@@ -28,12 +28,14 @@ CLI = [sys.executable, "-m", "cpu_quant.cli"]
 # "SRC DST"; the calibration flags are added by the suite (defaults in a real run)
 # The calibration is pinned to the Austen corpus, the built-in default before the mix became it
 # (a change of the default's outputs by design, not of the code's), so that a reference from
-# either side of that change runs the same calibration.
+# either side of that change runs the same calibration: a tree from before the named
+# calibrations (no ``cpu_quant/data/mix.py``) runs without the flag, which there means Austen.
+PIN = ["--calib", "austen"]
 COMMANDS = {
-    "gptq": ["gptq", "--calib", "austen", "--no-eval"],
-    "formats": ["gptq", "--calib", "austen", "--format", "gptq,cpu_int4,gguf", "--no-eval"],
-    "tinygemm": ["tinygemm", "--calib", "austen", "--no-eval"],
-    "phone-8da4w": ["export-phone", "--backend", "xnnpack", "--scheme", "8da4w"],
+    "gptq": ["gptq", *PIN, "--no-eval"],
+    "formats": ["gptq", *PIN, "--format", "gptq,cpu_int4,gguf", "--no-eval"],
+    "tinygemm": ["tinygemm", *PIN, "--no-eval"],
+    "phone-8da4w": ["export-phone", "--backend", "xnnpack", "--scheme", "8da4w", *PIN],
 }
 # smoke: a small calibration and, for the phone program, small static shapes
 SMOKE_FLAGS = {"gptq": ["--samples", "4", "--seqlen", "64"],
@@ -90,8 +92,16 @@ def combined(digests: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
 
 
-def command(arm: str, src: Path, out: Path, smoke: bool) -> list[str]:
+def named_calibrations(tree: Path) -> bool:
+    """Does the source tree know ``--calib austen`` (the named calibrations)?"""
+    return (Path(tree) / "cpu_quant" / "data" / "mix.py").is_file()
+
+
+def command(arm: str, src: Path, out: Path, smoke: bool, tree: Path | None = None) -> list[str]:
     first, *rest = COMMANDS[arm]
+    if tree is not None and not named_calibrations(tree):
+        i = rest.index(PIN[0])
+        rest = rest[:i] + rest[i + len(PIN):]
     flags = SMOKE_FLAGS.get(arm, SMOKE_FLAGS["gptq"]) if smoke else []
     return [*CLI, first, str(src), str(out / "output"), *rest, *flags]
 
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.tree} is not a cpu-quant source tree", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    argv_run = command(args.arm, args.src.resolve(), args.out.resolve(), args.smoke)
+    argv_run = command(args.arm, args.src.resolve(), args.out.resolve(), args.smoke, args.tree)
     env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
     proc = subprocess.run(argv_run, stdout=subprocess.DEVNULL, cwd=args.out, env=env)
     if proc.returncode != 0:

@@ -381,6 +381,21 @@ def test_bit_identity_compares_every_tensor_by_name(tmp_path):
     assert main([*argv[:2], "--tree", str(tmp_path), *argv[4:], "--src", str(a)]) == 2
 
 
+def test_bit_identity_pins_austen_and_drops_the_pin_for_an_older_tree(tmp_path):
+    """Every arm runs the Austen calibration: by name in a tree that knows the named
+    calibrations, by default (Austen there) in one from before them."""
+    from benchmarks.bit_identity import COMMANDS, PIN, command
+
+    old = tmp_path / "old"
+    (old / "cpu_quant").mkdir(parents=True)
+    for arm in COMMANDS:
+        new_argv = command(arm, tmp_path / "src", tmp_path / "out", False, REPO)
+        old_argv = command(arm, tmp_path / "src", tmp_path / "out", False, old)
+        i = new_argv.index(PIN[0])
+        assert new_argv[i:i + 2] == PIN and PIN[0] not in old_argv
+        assert old_argv == new_argv[:i] + new_argv[i + 2:]
+
+
 def test_test_tiers_times_what_ci_and_the_readme_run():
     """The timed steps are .ci/run's commands, and the README's test command is the same
     commands joined with ``&&``: a change to one that the others miss fails here."""
