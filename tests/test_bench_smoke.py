@@ -311,3 +311,24 @@ def test_tinygemm_kernel_part_smoke(tmp_path_factory):
     steps = rec["extras"]["linears_ms_per_step"]
     assert rec["metrics"]["decode_linears_ms"] == steps["int4_m1"] > 0
     assert steps["kernel_m1"] > 0 and steps["bf16_m512"] > 0
+
+
+def test_gguf_judge_suite_smoke(tmp_path_factory):
+    """llama.cpp judges our Q4_K_M file and its own imatrix Q4_K_M of the perturbed tiny model
+    on both held-out domains: KL from llama-perplexity's own report, the pair compared, the
+    file's bits per weight recorded, the table rendered."""
+    from benchmarks.peers.llama_cpp_env import ready_tools
+    from benchmarks.suites.gguf_judge import DOMAINS, render
+
+    if ready_tools() is None:
+        pytest.skip("llama.cpp tools not built (python -m benchmarks.peers.llama_cpp_env --tools)")
+    tmp = tmp_path_factory.mktemp("bench-gguf-judge")
+    arms = {"tiny:cpu-quant-q4_k_m", "tiny:llama.cpp-q4_k_m-imatrix"}
+    result = _run_smoke("gguf_judge", tmp, "--arms", ",".join(sorted(arms)), result="gguf-judge")
+    _check_common(result, arms)
+    for rec in result["records"]:
+        assert all(rec["metrics"][f"kl_{d}"] >= 0 for d in DOMAINS)
+        assert rec["extras"]["bits_per_weight_linears"] > 4 and rec["extras"]["tensor_types"]
+        assert 0 < rec["extras"]["same_top_italian"] <= 1
+    table = render(tmp / "results", tmp, smoke=True)
+    assert "Q4_K_M" in table and "×" in table

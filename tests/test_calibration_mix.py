@@ -69,6 +69,7 @@ def test_each_window_comes_from_its_domain_in_the_stated_order():
         i += counts[domain.name]
 
 
+@pytest.mark.e2e
 def test_the_mix_gives_the_same_token_ids_on_every_run(demo_src):
     from cpu_quant.core.io.checkpoint import load_tokenizer
 

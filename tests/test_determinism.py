@@ -95,6 +95,7 @@ def _digests(threads: int, env: dict | None = None) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.e2e
 def test_hessian_and_its_factor_have_the_same_bits_at_any_thread_count_and_isa_limit() -> None:
     """gram and the damped inverse factor of two Hessians (one narrower than a block, one of
     several blocks), at 1, 2 and 3 threads and with oneDNN, ATen and oneMKL held to AVX2."""
@@ -115,6 +116,7 @@ def _tensors(directory) -> dict[str, str]:
 WIDE = TinyShape(hidden=320, intermediate=640, layers=2, heads=4, kv_heads=2)
 
 
+@pytest.mark.e2e
 def test_gptq_writes_the_same_artifact_at_one_and_two_threads(demo_src, tmp_path) -> None:
     """The whole command on a small random Llama (defaults: smoothing, head, act-order), at
     ``--threads 1`` and ``--threads 2``: the same tensors, bit for bit."""

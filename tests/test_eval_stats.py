@@ -105,6 +105,7 @@ def _eval(*args: str):
     return CliRunner().invoke(main, ["eval", *args], catch_exceptions=False)
 
 
+@pytest.mark.e2e
 def test_eval_json_saved_reference_and_refusal(tiny_llama, tiny_rtn, tmp_path):
     ref_file = tmp_path / "ref.safetensors"
     fresh = _eval(str(tiny_rtn), "--reference", str(tiny_llama), *SMALL, "--json",

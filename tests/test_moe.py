@@ -163,6 +163,7 @@ def test_per_expert_hessians_equal_a_slow_reference(small_moe: Path) -> None:
     ckpt.close()
 
 
+@pytest.mark.e2e
 def test_starved_expert_falls_back_and_is_reported(starved_moe: Path, tmp_path: Path) -> None:
     """An expert with fewer routed tokens than its widest input is quantized by round-to-nearest
     with the scale search weighted by its Hessian's diagonal (bit for bit), recorded in the
@@ -265,6 +266,7 @@ def small_gguf(small_moe: Path, tmp_path_factory) -> tuple[Path, dict, dict]:
     return write_gguf(small_moe, tmp_path_factory.mktemp("moe-gguf"), group=32)
 
 
+@pytest.mark.e2e
 def test_gguf_stacks_every_expert_bit_for_bit(small_moe: Path, small_gguf) -> None:
     """Each stacked expert tensor holds every expert's Q4_0 blocks in expert order: gguf-py's
     dequantize of slice e equals our expert e's weights; the router is F32, exactly the bf16

@@ -167,6 +167,7 @@ def test_sigterm_during_the_head_stops_within_seconds_and_resumes(demo_src, tmp_
     assert run_cli("verify", str(dst), check=False).returncode == 0
 
 
+@pytest.mark.e2e
 def test_a_stop_before_the_first_layer_keeps_nothing(tiny_llama, tmp_path):
     dst = tmp_path / "out"
     proc = subprocess.Popen([*CLI, "gptq", str(tiny_llama), str(dst), "--group", "32",
@@ -182,6 +183,7 @@ def test_a_stop_before_the_first_layer_keeps_nothing(tiny_llama, tmp_path):
 TINY_RTN = ["--method", "rtn", "--calib", "none", "--group", "32", "--no-eval"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_just_after_the_commit_finishes_the_card_and_says_dst_is_complete(
         tiny_llama, tmp_path, sig):
@@ -201,6 +203,7 @@ def test_a_signal_just_after_the_commit_finishes_the_card_and_says_dst_is_comple
     assert "| method | rtn |" in (dst / "README.md").read_text()
 
 
+@pytest.mark.e2e
 def test_a_second_sigint_still_exits_with_status_130(tiny_llama, tmp_path):
     """Ctrl-C pressed again and again while a stopped run cleans up and exits: the status is
     130 every time, never a death by SIGINT, and no traceback."""
@@ -221,6 +224,7 @@ def test_a_second_sigint_still_exits_with_status_130(tiny_llama, tmp_path):
     assert "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.e2e
 def test_stdout_on_a_full_device_is_one_error_line(tmp_path):
     """`cpu-quant ... > /dev/full`: one line on stderr and a non-zero exit, no traceback."""
     if not Path("/dev/full").exists():
@@ -281,6 +285,7 @@ def test_full_disk_fails_cleanly(hostile_bases, small_disk):
     assert os.listdir(small_disk) == []
 
 
+@pytest.mark.e2e
 def test_unwritable_output_directory(tiny_llama, tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()

@@ -259,6 +259,7 @@ def test_aot_shim_attaches_only_where_missing() -> None:
     assert "finalize_loading" not in vars(own)
 
 
+@pytest.mark.e2e
 def test_register_is_idempotent_and_logs_one_line_per_patch() -> None:
     code = textwrap.dedent("""
         import importlib, json
@@ -345,6 +346,7 @@ def _gptq_kernel_registration(switch: str | None) -> dict:
 
 @pytest.mark.skipif(not _table_says_tinygemm(),
                     reason="this CPU's kernel-table row keeps vLLM's own GPTQ kernel")
+@pytest.mark.e2e
 def test_default_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
     """No switch set: on this CPU the kernel table says tinygemm, so the kernel goes in, once,
     just before vLLM's, and the line names the row."""
@@ -360,6 +362,7 @@ def test_default_gptq_kernel_goes_just_before_vllms_and_only_once() -> None:
     assert kernels.index("GptqTinygemmLinearKernel") + 1 == kernels.index("CPUWNA16LinearKernel")
 
 
+@pytest.mark.e2e
 def test_gptq_kernel_switch_restores_vllms_kernel_list() -> None:
     """``CPU_QUANT_PATCH_GPTQ_TINYGEMM=0``: off, and vLLM's kernel list is stock."""
     result = _gptq_kernel_registration("0")
@@ -434,6 +437,7 @@ _KERNEL_CLASS_CHECK = textwrap.dedent("""
 
 @pytest.mark.skipif(not _table_says_tinygemm(),
                     reason="this CPU's kernel-table row keeps vLLM's own GPTQ kernel")
+@pytest.mark.e2e
 def test_gptq_kernel_computes_exact_layers_and_hands_the_rest_to_vllms() -> None:
     """vLLM's own kernel chooser, no engine: a symmetric GPTQ layer (GPTQ packing, and the
     compressed-tensors orientation, [N, K/8] packed along the input) goes to tinygemm and

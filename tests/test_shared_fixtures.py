@@ -61,6 +61,7 @@ def test_a_failed_build_is_not_reused(tmp_path: Path) -> None:
     assert built == [1]
 
 
+@pytest.mark.e2e
 def test_worker_groups_and_order_name_real_fixtures_and_tests() -> None:
     """Every grouped fixture and every entry of the longest-first list still exists, so a
     rename cannot silently undo the sharing (a group would then be split between workers)."""
@@ -74,6 +75,7 @@ def test_worker_groups_and_order_name_real_fixtures_and_tests() -> None:
         assert fragment in proc.stdout, fragment
 
 
+@pytest.mark.e2e
 def test_tests_sharing_a_grouped_fixture_run_on_one_worker(tmp_path: Path) -> None:
     """Under ``-n 2 --dist loadgroup`` (CI's end-to-end command) the six tests that use one
     grouped fixture run on one worker, the others wherever they fall. (pytest 9.2's structured

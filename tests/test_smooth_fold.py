@@ -173,6 +173,7 @@ def test_unfoldable_architectures_are_refused_before_any_work(arch, demo_src, tm
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_smoothed_run_writes_the_factors_and_its_float_tensors_are_the_folded_source(
         tiny_llama, tmp_path):
     """A smoothed GPTQ run of a tiny Llama: its factors file, its report, its norms equal to
@@ -216,6 +217,7 @@ def test_the_default_folds_only_calibrated_symmetric_gptq_of_a_foldable_model(
         assert ("--smooth folds it" in note) == (arch == "qwen2")
 
 
+@pytest.mark.e2e
 def test_the_gptq_default_smooths_and_reports_it_and_a_gemma_run_says_why_not(
         tiny_llama, demo_src, tmp_path):
     small = dict(samples=4, seqlen=32, batch_size=2, group_size=32, smooth=None)

@@ -473,6 +473,7 @@ def _one_zero_of_7(ckpt: Path, sym: bool) -> Path:
     return ckpt
 
 
+@pytest.mark.e2e
 def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, tmp_path: Path):
     """A checkpoint whose zero points the target cannot hold, or whose shapes the kernel cannot
     take: one ``error:`` line, non-zero exit, nothing written."""
@@ -505,6 +506,7 @@ def test_convert_refuses_bad_input_with_one_line_and_no_output(demo_src: Path, t
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")]
 
 
+@pytest.mark.e2e
 def test_convert_round_trips_and_keeps_an_asymmetric_grid(demo_src: Path, tmp_path: Path):
     """Any format to any other and back, bit for bit; an asymmetric GPTQ checkpoint keeps its
     zeros in cpu_int4, where (8 - z) * s is exact."""

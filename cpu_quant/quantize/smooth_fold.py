@@ -43,7 +43,7 @@ from ..core.grid import QZERO, grouped
 from ..core.memory import release_free_heap
 from ..core.smoothing_factors import FACTORS_FILE, HEAD, Fold, all_folds, row_blocks
 from .distributed import Team
-from .smoothing import smoothing_scales
+from .smoothing import smoothing_scales, weights_absmax
 
 if TYPE_CHECKING:
     from .settings import QuantSettings
@@ -57,6 +57,9 @@ ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 STATS_BATCHES = 2  # calibration batches of the statistics pass (16 windows at batch 8)
 SAMPLE_TOKENS = 1024  # tokens per fold for the choice of alpha
 HEAD_SAMPLE_TOKENS = 256  # the head is vocab-wide: fewer tokens for its choice
+# a fold's weights up to this many elements are converted to float32 once for all candidates
+# (256 MiB; a larger one, the head, a block of rows at a time per candidate)
+FLOAT_COPY_ELEMENTS = 1 << 26
 
 
 def model_type(config: dict) -> str:
@@ -123,9 +126,12 @@ def w4a8_error(x: torch.Tensor, weights: list[torch.Tensor], s_cols: torch.Tenso
     ys = outputs or [float_outputs(x, w) for w in weights]
     for w, group, y in zip(weights, groups, ys, strict=True):
         for rows in row_blocks(w):
-            wb = w[rows].float()
+            wb = w[rows] if w.dtype == torch.float32 else w[rows].float()
             ws = wb if s_cols is None else wb * s_cols
-            num += float((xq @ _rtn4(ws, group).T - y[:, rows]).pow(2).sum())
+            diff = xq @ _rtn4(ws, group).T
+            diff.sub_(y[:, rows])  # in place: the same values as a new tensor, no allocation
+            num += float(diff.pow_(2).sum())
+            del diff
         den += float(y.pow(2).sum())
     return num / max(den, 1e-30)
 
@@ -155,13 +161,16 @@ def candidate_errors(fold: Fold, absmax: torch.Tensor, sample: torch.Tensor,
                 .reshape(w.shape[0] * fold.rep, kv * fold.head_dim) for w in weights]
     else:
         a, cols = absmax.float(), weights
+    w_max = weights_absmax(cols)  # the same for every candidate
     ys = [float_outputs(x, w) for w in weights]
+    if sum(w.numel() for w in weights) <= FLOAT_COPY_ELEMENTS:  # float32 once, not per candidate
+        weights = [w.float() for w in weights]
     out: dict[float | None, tuple[torch.Tensor, float]] = {}
     for alpha in candidates:
         if alpha is None:
             out[alpha] = torch.ones_like(a), w4a8_error(x, weights, None, groups, ys)
         else:
-            s = smoothing_scales(a, cols, alpha)
+            s = smoothing_scales(a, cols, alpha, w_max)
             out[alpha] = s, w4a8_error(x, weights, fold.expand(s), groups, ys)
     return out
 

@@ -32,12 +32,20 @@ def column_absmax(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def weights_absmax(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``max |W[:, j]|`` per column over every linear of ``weights`` (float32 [K])."""
+    return torch.stack([column_absmax(w) for w in weights]).amax(0).to(torch.float32)
+
+
 def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
-                     alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
+                     alpha: float = DEFAULT_ALPHA, w_max: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """``s`` [K] for the linears ``weights`` ([N_i, K] each) that share the input whose
     per-channel ``max|x|`` is ``act_absmax`` [K]. Channels that never fire (or whose weights are
-    all zero) keep ``s = 1``."""
-    w_max = torch.stack([column_absmax(w) for w in weights]).amax(0).to(torch.float32)
+    all zero) keep ``s = 1``. ``w_max``: :func:`weights_absmax` of ``weights``, when already
+    computed (it does not depend on ``alpha``)."""
+    if w_max is None:
+        w_max = weights_absmax(weights)
     a_max = act_absmax.to(torch.float32)
     s = a_max.pow(alpha) / w_max.pow(1 - alpha)
     ok = (a_max > 0) & (w_max > 0) & torch.isfinite(s) & (s > 0)

@@ -193,6 +193,7 @@ def _write(fmt_name: str, src: Path, dst: Path) -> tuple[Path, dict, dict]:
     return next(dst.glob("*.gguf")), quant, cfg
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fmt_name", ["gguf:q4_k_m", "gguf:q4_k_s", "gguf:iq4_nl"])
 def test_every_tensor_matches_gguf_py_and_reads_back(k_model: Path, tmp_path: Path,
                                                      fmt_name: str, one_thread) -> None:
@@ -239,6 +240,7 @@ def test_a_non_finite_block_scale_is_refused(k_model: Path, tmp_path: Path, one_
     assert [f.check for f in errors] == ["gguf-scale"] and t.name == errors[0].tensor
 
 
+@pytest.mark.e2e
 def test_a_calibrated_run_writes_every_tensor_on_its_type(tiny_llama: Path, tmp_path: Path) -> None:
     """``cpu-quant gptq --format gguf:q4_k_m`` on the tiny model (tied head, K = 64 and 128:
     the mix falls back to Q5_0 and Q8_0): the plan gives every tensor its type, the head and

@@ -1,0 +1,85 @@
+"""The gguf_judge suite: llama-perplexity's KL report read right, its argv, the arms' pairing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.suites import gguf_judge as gj
+
+# the closing statistics of llama-perplexity --kl-divergence (llama.cpp vendored in
+# llama-cpp-python 0.3.36), as it printed them for a Q4_0 file of the demo model
+REPORT = """
+====== Perplexity statistics ======
+Mean PPL(Q)                   :  21.870512 ±   0.612417
+Mean PPL(base)                :  20.105227 ±   0.556313
+Cor(ln(PPL(Q)), ln(PPL(base))):  97.93%
+Mean ln(PPL(Q)/PPL(base))     :   0.084162 ±   0.005743
+Mean PPL(Q)/PPL(base)         :   1.087803 ±   0.006247
+Mean PPL(Q)-PPL(base)         :   1.765285 ±   0.137745
+
+====== KL divergence statistics ======
+Mean    KLD:   0.072811 ±   0.001349
+Maximum KLD:   3.542731
+99.9%   KLD:   1.801102
+99.0%   KLD:   0.586393
+Median  KLD:   0.041305
+Minimum KLD:  -0.000004
+
+====== Token probability statistics ======
+Mean    Δp: -1.032 ± 0.098 %
+RMS Δp    :  6.402 ± 0.161 %
+Same top p: 88.613 ± 0.497 %
+"""
+
+
+def test_the_kl_report_is_read_into_its_numbers():
+    got = gj.parse_kl_report(REPORT)
+    assert got == {"kl_mean": 0.072811, "kl_se": 0.001349, "same_top": pytest.approx(0.88613),
+                   "same_top_se": pytest.approx(0.00497), "ppl_ratio": 1.087803,
+                   "ppl": 21.870512}
+
+
+def test_a_report_without_kl_statistics_is_an_error():
+    with pytest.raises(ValueError, match="no KL divergence statistics"):
+        gj.parse_kl_report(REPORT.split("====== KL")[0])
+
+
+def test_the_base_is_saved_once_and_every_arm_scored_against_it(tmp_path):
+    settings = {"ctx": 512, "chunks": 8, "threads": 2}
+    save = gj.perplexity_argv(tmp_path / "llama-perplexity", tmp_path / "bf16.gguf",
+                              tmp_path / "it.txt", tmp_path / "base.kld", settings, save=True)
+    score = gj.perplexity_argv(tmp_path / "llama-perplexity", tmp_path / "arm.gguf",
+                               tmp_path / "it.txt", tmp_path / "base.kld", settings, save=False)
+    assert "--kl-divergence" not in save and score[-1] == "--kl-divergence"
+    assert "--no-repack" in save and "--no-repack" in score  # every llama.cpp tool that runs one
+    for argv in (save, score):
+        i = argv.index("--kl-divergence-base")
+        assert argv[i + 1] == str(tmp_path / "base.kld")
+        assert argv[argv.index("-c") + 1] == "512" and argv[argv.index("--chunks") + 1] == "8"
+
+
+def test_a_pass_scores_every_domain_and_writes_what_the_suite_reads(tmp_path):
+    """The worker's loop, with a stand-in tool that prints the report (the real tool's run is
+    the suite's end-to-end test)."""
+    tool = tmp_path / "llama-perplexity"
+    tool.write_text(f"#!/bin/sh\ncat <<'EOF'\n{REPORT}\nEOF\n")
+    tool.chmod(0o755)
+    pairs = [f"{d}={tmp_path / d}.txt:{tmp_path / d}.kld" for d in gj.DOMAINS]
+    assert gj.main([str(tool), str(tmp_path / "arm.gguf"), str(tmp_path / "out"),
+                    json.dumps(gj.JUDGE), *pairs]) == 0
+    got = json.loads((tmp_path / "out" / "judge.json").read_text())
+    assert set(got) == set(gj.DOMAINS) and got["italian"]["kl_mean"] == 0.072811
+    assert (tmp_path / "out" / "perplexity-javascript.log").read_text().strip()
+    tool.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="exited 1"):
+        gj.judge(tool, tmp_path / "arm.gguf", {"italian": (Path("a"), Path("b"))}, gj.JUDGE,
+                 tmp_path / "out2")
+
+
+def test_arm_names_pair_each_type_with_llama_cpps():
+    assert gj.arm_name("smollm2", gj.OURS, "q4_k_m") == "smollm2:cpu-quant-q4_k_m"
+    assert gj.arm_name("smollm2", gj.THEIRS, "q4_k_m") == "smollm2:llama.cpp-q4_k_m-imatrix"
+    assert {t for t, _ in gj.TYPES.values()} == {"Q4_0", "Q4_K_M", "IQ4_NL"}
