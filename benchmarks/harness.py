@@ -470,7 +470,8 @@ def run_suite(suite: Suite, passes: int, smoke: bool, out_dir: Path, workdir: Pa
             records.append(rec)
             _write_json_atomic(partial, {
                 "suite": suite.name, "complete": False, "smoke": smoke, "passes": passes,
-                "arms": {a.name: a.settings for a in suite.arms}, "git_at_start": git_at_start,
+                "arms": {a.name: a.settings for a in suite.arms}, "settings": suite.settings,
+                "git_at_start": git_at_start,
                 "machine": machine, "builds": {k: asdict(v) for k, v in builds.items()},
                 "records": [asdict(r) for r in records]})
             state = "ok" if rec.ok else f"FAILED ({rec.error})"

@@ -501,3 +501,17 @@ def test_dist_projection_suite_projects_from_the_committed_run(tmp_path, demo_sr
     assert rec["ok"] and rec["metrics"]["payload_errors"] == 0
     assert rec["metrics"]["best_total_hours"] == min(r["total_hours"]
                                                      for r in rec["extras"]["projection"])
+
+
+def test_bit_identity_reads_the_reference_of_a_complete_or_partial_file():
+    from benchmarks.suites.bit_identity import reference_of
+
+    settings = {"reference": "843b488", "reference_sha": "843b48823cea" + "0" * 28}
+    assert reference_of({"provenance": {"settings": settings}}) == settings
+    assert reference_of({"complete": False, "settings": settings}) == settings
+    older = {"complete": False, "builds": {"gptq": {"argv": [
+        "python", "-m", "benchmarks.bit_identity", "--arm", "gptq", "--tree",
+        "/w/reference-843b48823cea", "--src", "/s"]}}}
+    assert reference_of(older) == {"reference": "843b48823cea", "reference_sha": "843b48823cea"}
+    with pytest.raises(ValueError, match="no reference"):
+        reference_of({"complete": False, "builds": {}})

@@ -111,6 +111,21 @@ def build(opts: SuiteOptions) -> Suite:
                  baseline=None, inputs={"source": src})
 
 
+def reference_of(doc: dict) -> dict:
+    """``reference`` and ``reference_sha`` of a result file: from its settings (a complete file's
+    provenance, a partial file's own), or, in a partial file written before partial files held
+    them, from the reference tree its builds ran from (``reference-<sha>``)."""
+    settings = (doc.get("provenance") or {}).get("settings") or doc.get("settings")
+    if settings:
+        return settings
+    for build in doc.get("builds", {}).values():
+        argv = build.get("argv") or []
+        if "--tree" in argv:
+            sha = Path(argv[argv.index("--tree") + 1]).name.removeprefix("reference-")
+            return {"reference": sha, "reference_sha": sha}
+    raise ValueError("the result file names no reference revision")
+
+
 def _arm_cells(arm: str, doc: dict) -> list[str]:
     records = [r for r in doc["records"] if r["arm"] == arm]
     ok = [r for r in records if r["ok"]]
@@ -145,7 +160,7 @@ def render(results: Path, docs: Path) -> str:
     comparisons of the earlier script's result files."""
     from ..render import machine, newest
 
-    path = newest(results, "bit_identity-2*.json", complete=True)
+    path = newest(results, "bit_identity-2*.json")
     legacy = render_legacy(results, docs)
     if path is None:
         return ("No run of this suite is committed yet (command: `python -m benchmarks run "
@@ -154,13 +169,16 @@ def render(results: Path, docs: Path) -> str:
                 "\n\n" + legacy)
     doc = json.loads(path.read_text())
     meta = machine(doc)
-    s = doc["provenance"]["settings"]
+    s = reference_of(doc)
     lines = ["| arm | command | tensors and files | same bytes as the reference |",
              "|---|---|---|---|"]
     lines += ["| " + " | ".join(_arm_cells(arm, doc)) + " |" for arm in doc["arms"]]
     return "\n".join(lines + [
         "", f"Reference: git {s['reference_sha'][:7]} (`--reference {s['reference']}`); this "
-        f"checkout: git {meta['sha'][:7]}. Machine: {meta['cpu']} ({meta['isa']}), "
+        f"checkout: git {meta['sha'][:7]}"
+        + (f" (a partial run: {sum(1 for r in doc['records'] if r.get('ok'))} of "
+           f"{len(doc['arms']) * int(doc.get('passes', 0))} arm passes)" if meta["partial"]
+           else "") + f". Machine: {meta['cpu']} ({meta['isa']}), "
         f"{meta['cores']} cores. Command: `python -m benchmarks run bit_identity --reference "
         f"{s['reference']}`. Result file: [{path.name}]({os.path.relpath(path, docs)}).", "",
         "Earlier comparisons (the standalone script's result files):", "", legacy])
