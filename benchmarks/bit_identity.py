@@ -31,11 +31,11 @@ CLI = [sys.executable, "-m", "cpu_quant.cli"]
 # either side of that change runs the same calibration: a tree from before the named
 # calibrations (no ``cpu_quant/data/mix.py``) runs without the flag, which there means Austen.
 PIN = ["--calib", "austen"]
-COMMANDS = {
-    "gptq": ["gptq", *PIN, "--no-eval"],
+COMMANDS = {  # the longest first: a run stopped early has compared it
+    "phone-8da4w": ["export-phone", "--backend", "xnnpack", "--scheme", "8da4w", *PIN],
     "formats": ["gptq", *PIN, "--format", "gptq,cpu_int4,gguf", "--no-eval"],
     "tinygemm": ["tinygemm", *PIN, "--no-eval"],
-    "phone-8da4w": ["export-phone", "--backend", "xnnpack", "--scheme", "8da4w", *PIN],
+    "gptq": ["gptq", *PIN, "--no-eval"],
 }
 # smoke: a small calibration and, for the phone program, small static shapes
 SMOKE_FLAGS = {"gptq": ["--samples", "4", "--seqlen", "64"],
@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     if not digests:
         print(f"error: {args.out / 'output'} holds no tensors", file=sys.stderr)
         return 1
-    args.json.write_text(json.dumps({"argv": argv_run, "exit_status": proc.returncode,
-                                     "digests": digests, "digest": combined(digests)}))
+    args.json.write_text(json.dumps({"argv": argv_run, "tree": str(args.tree.resolve()),
+                                     "exit_status": proc.returncode, "digests": digests,
+                                     "digest": combined(digests)}))
     print(f"{args.arm}: {len(digests)} digests, {combined(digests)[:12]}")
     return 0
 

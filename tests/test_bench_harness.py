@@ -515,3 +515,21 @@ def test_bit_identity_reads_the_reference_of_a_complete_or_partial_file():
     assert reference_of(older) == {"reference": "843b48823cea", "reference_sha": "843b48823cea"}
     with pytest.raises(ValueError, match="no reference"):
         reference_of({"complete": False, "builds": {}})
+
+
+def test_bit_identity_reuses_a_finished_build_of_the_same_command_and_revision(tmp_path):
+    from benchmarks.bit_identity import command
+    from benchmarks.suites.bit_identity import reusable
+
+    tree, other, src, bdir = (tmp_path / n for n in ("reference-aaa", "reference-bbb", "src", "b"))
+    bdir.mkdir()
+    assert not reusable(bdir, "gptq", tree, src, False)  # nothing built
+    done = {"argv": command("gptq", src.resolve(), bdir.resolve(), False, tree),
+            "tree": str(tree.resolve()), "exit_status": 0, "digests": {}, "digest": ""}
+    (bdir / "digests.json").write_text(json.dumps(done))
+    assert reusable(bdir, "gptq", tree, src, False)
+    assert not reusable(bdir, "gptq", other, src, False)  # another revision
+    assert not reusable(bdir, "formats", tree, src, False)  # another command
+    assert not reusable(bdir, "gptq", tree, src, True)  # the smoke sizes
+    (bdir / "digests.json").write_text(json.dumps({**done, "exit_status": 1}))
+    assert not reusable(bdir, "gptq", tree, src, False)

@@ -70,10 +70,26 @@ def _digests(directory: Path) -> dict:
     return json.loads((directory / "digests.json").read_text())
 
 
+def reusable(bdir: Path, arm: str, tree: Path, src: Path, smoke: bool) -> bool:
+    """Does ``bdir`` hold a finished build of this arm's command from this reference tree (the
+    tree's directory names the revision)? Then its digests are reused: a build is the
+    reference revision's output, the same whichever run made it."""
+    path = bdir / "digests.json"
+    if not path.is_file():
+        return False
+    done = json.loads(path.read_text())
+    return (done.get("exit_status") == 0 and done.get("tree") == str(tree.resolve())
+            and done.get("argv") == worker.command(arm, src.resolve(), bdir.resolve(), smoke,
+                                                   tree))
+
+
 def make_arm(name: str, ref_tree: Path, src: Path, smoke: bool) -> Arm:
     timeout = TIMEOUT_SMOKE if smoke else TIMEOUT_REAL
 
     def build(bdir: Path) -> Command:
+        if reusable(bdir, name, ref_tree, src, smoke):
+            return Command([sys.executable, "-c", "print('the reference digests of an earlier "
+                            "build of the same command and revision, reused')"], timeout=60)
         return _worker(name, ref_tree, src, bdir, smoke, timeout)
 
     def command(ctx: PassContext) -> Command:
