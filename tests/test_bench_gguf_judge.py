@@ -10,36 +10,56 @@ import pytest
 from benchmarks.suites import gguf_judge as gj
 
 # the closing statistics of llama-perplexity --kl-divergence (llama.cpp vendored in
-# llama-cpp-python 0.3.36), as it printed them for a Q4_0 file of the demo model
+# llama-cpp-python 0.3.36), as it printed them for our Q4_0 file of the off-grid demo model
+# on the Italian domain (8 chunks of 512 tokens)
 REPORT = """
 ====== Perplexity statistics ======
-Mean PPL(Q)                   :  21.870512 ±   0.612417
-Mean PPL(base)                :  20.105227 ±   0.556313
-Cor(ln(PPL(Q)), ln(PPL(base))):  97.93%
-Mean ln(PPL(Q)/PPL(base))     :   0.084162 ±   0.005743
-Mean PPL(Q)/PPL(base)         :   1.087803 ±   0.006247
-Mean PPL(Q)-PPL(base)         :   1.765285 ±   0.137745
+Mean PPL(Q)                   :  89.605986 ±   6.730450
+Mean PPL(base)                :  78.394695 ±   5.953349
+Cor(ln(PPL(Q)), ln(PPL(base))):  97.61%
+Mean ln(PPL(Q)/PPL(base))     :   0.133666 ±   0.016532
+Mean PPL(Q)/PPL(base)         :   1.143011 ±   0.018897
+Mean PPL(Q)-PPL(base)         :  11.211291 ±   1.587141
 
 ====== KL divergence statistics ======
-Mean    KLD:   0.072811 ±   0.001349
-Maximum KLD:   3.542731
-99.9%   KLD:   1.801102
-99.0%   KLD:   0.586393
-Median  KLD:   0.041305
-Minimum KLD:  -0.000004
+Mean    KLD:   0.195511 ±   0.005451
+Maximum KLD:   3.826683
+99.9%   KLD:   2.181348
+99.0%   KLD:   1.170068
+95.0%   KLD:   0.611794
+90.0%   KLD:   0.422746
+Median  KLD:   0.121753
+10.0%   KLD:   0.033148
+ 5.0%   KLD:   0.018110
+ 1.0%   KLD:   0.005718
+ 0.1%   KLD:   0.000986
+Minimum KLD:   0.000867
 
 ====== Token probability statistics ======
-Mean    Δp: -1.032 ± 0.098 %
-RMS Δp    :  6.402 ± 0.161 %
-Same top p: 88.613 ± 0.497 %
+Mean    Δp: -1.546 ± 0.213 %
+Maximum Δp: 53.216%
+99.9%   Δp: 44.677%
+99.0%   Δp: 23.081%
+95.0%   Δp: 10.095%
+90.0%   Δp:  3.475%
+75.0%   Δp:  0.120%
+Median  Δp: -0.009%
+25.0%   Δp: -1.507%
+10.0%   Δp: -8.312%
+ 5.0%   Δp: -16.725%
+ 1.0%   Δp: -44.114%
+ 0.1%   Δp: -69.666%
+Minimum Δp: -77.152%
+RMS Δp    :  9.760 ± 0.458 %
+Same top p: 71.225 ± 1.003 %
 """
 
 
 def test_the_kl_report_is_read_into_its_numbers():
     got = gj.parse_kl_report(REPORT)
-    assert got == {"kl_mean": 0.072811, "kl_se": 0.001349, "same_top": pytest.approx(0.88613),
-                   "same_top_se": pytest.approx(0.00497), "ppl_ratio": 1.087803,
-                   "ppl": 21.870512}
+    assert got == {"kl_mean": 0.195511, "kl_se": 0.005451, "same_top": pytest.approx(0.71225),
+                   "same_top_se": pytest.approx(0.01003), "ppl_ratio": 1.143011,
+                   "ppl": 89.605986}
 
 
 def test_a_report_without_kl_statistics_is_an_error():
@@ -71,7 +91,7 @@ def test_a_pass_scores_every_domain_and_writes_what_the_suite_reads(tmp_path):
     assert gj.main([str(tool), str(tmp_path / "arm.gguf"), str(tmp_path / "out"),
                     json.dumps(gj.JUDGE), *pairs]) == 0
     got = json.loads((tmp_path / "out" / "judge.json").read_text())
-    assert set(got) == set(gj.DOMAINS) and got["italian"]["kl_mean"] == 0.072811
+    assert set(got) == set(gj.DOMAINS) and got["italian"]["kl_mean"] == 0.195511
     assert (tmp_path / "out" / "perplexity-javascript.log").read_text().strip()
     tool.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="exited 1"):
