@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -227,13 +226,12 @@ def render(results: Path, docs: Path) -> str:
     each ``mix`` arm's ratio to its model's ``austen`` arm."""
     from statistics import median
 
-    from ..render import machine, newest
+    from ..render import newest, run_footer
 
     path = newest(results, "calibration-2*.json")
     if path is None:
         return "Not measured yet: no result file of this suite is committed."
     doc = json.loads(path.read_text())
-    meta = machine(doc)
     keys = [f"kl_{d.replace('-', '_')}" for d in DOMAINS]
     kl: dict[str, dict[str, float]] = {}
     lines = ["| arm | passes | " + " | ".join(f"KL {d}" for d in DOMAINS) + " |",
@@ -251,13 +249,8 @@ def render(results: Path, docs: Path) -> str:
             cell = f"{kl[arm][k]:.4f} ± {records[-1]['extras'][k + '_stderr']:.4f}"
             cells.append(cell + (f" (×{kl[arm][k] / base[k]:.2f})" if base else ""))
         lines.append(f"| `{arm}` | {len(records)} | " + " | ".join(cells) + " |")
-    done = sum(1 for r in doc["records"] if r.get("ok"))
-    partial = (f" (a partial run: {done} of {len(arms) * int(doc.get('passes', 0))} arm "
-               "passes)") if meta["partial"] else ""
-    return "\n".join(lines + ["", f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} "
-                               f"cores; git {meta['sha'][:7]}{partial}. Command: `python -m "
-                               f"benchmarks run calibration --arms {','.join(arms)}`. Result "
-                               f"file: [{path.name}]({os.path.relpath(path, docs)})."])
+    return "\n".join(lines + ["", run_footer(doc, path, docs, "python -m benchmarks run "
+                                               f"calibration --arms {','.join(arms)}")])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,13 +287,12 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     file's bits per weight (block linears / whole file). ``smoke``: the newest smoke run."""
     from statistics import median
 
-    from ..render import machine, newest
+    from ..render import newest, run_footer
 
     path = newest(results, "gguf-judge-smoke-*.json" if smoke else "gguf-judge-2*.json")
     if path is None:
         return "Not measured yet: no result file of this suite is committed."
     doc = json.loads(path.read_text())
-    meta = machine(doc)
     kl, bits = {}, {}
     for r in doc["records"]:
         if r.get("ok"):
@@ -320,13 +319,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
         label = "cpu-quant (GPTQ)" if side == OURS else "llama.cpp imatrix"
         lines.append(f"| {model} | {TYPES[type_name][0]} | {label} | " + " | ".join(cells)
                      + f" | {b[0]:.3f} / {b[1]:.3f} |")
-    done = sum(1 for r in doc["records"] if r.get("ok"))
-    partial = (f" (a partial run: {done} of {len(doc['arms']) * int(doc.get('passes', 0))} "
-               "arm passes)") if meta["partial"] else ""
-    return "\n".join(lines + ["", f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} "
-                               f"cores; git {meta['sha'][:7]}{partial}. Command: `python -m "
-                               f"benchmarks run gguf_judge`. Result file: "
-                               f"[{path.name}]({os.path.relpath(path, docs)})."])
+    return "\n".join(lines + ["", run_footer(doc, path, docs, "python -m benchmarks run gguf_judge")])
 
 
 def main(argv: list[str] | None = None) -> int:
