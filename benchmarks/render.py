@@ -67,15 +67,20 @@ def machine(doc: dict) -> dict:
             "partial": f"a partial run: {done} of {doc['passes']} passes"}
 
 
+def partial_note(doc: dict) -> str:
+    """`` (a partial run: N of M arm passes)`` for a partial result file, else ``""``."""
+    if doc.get("complete", True):
+        return ""
+    done = sum(1 for r in doc["records"] if r.get("ok"))
+    return f" (a partial run: {done} of {len(doc['arms']) * int(doc.get('passes', 0))} arm passes)"
+
+
 def run_footer(doc: dict, path: Path, docs: Path, command: str) -> str:
     """The line under a table of one result file: machine, git commit (and how many arm passes
     a partial run holds), the command and the file."""
     meta = machine(doc)
-    done = sum(1 for r in doc["records"] if r.get("ok"))
-    partial = (f" (a partial run: {done} of {len(doc['arms']) * int(doc.get('passes', 0))} arm "
-               "passes)") if meta["partial"] else ""
     return (f"Machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} cores; git "
-            f"{meta['sha'][:7]}{partial}. Command: `{command}`. Result file: "
+            f"{meta['sha'][:7]}{partial_note(doc)}. Command: `{command}`. Result file: "
             f"[{path.name}]({os.path.relpath(path, docs)}).")
 
 

@@ -174,7 +174,7 @@ def render_legacy(results: Path, docs: Path) -> str:
 def render(results: Path, docs: Path) -> str:
     """The results page's block: the newest result file's comparison of every arm, and the
     comparisons of the earlier script's result files."""
-    from ..render import machine, newest
+    from ..render import machine, newest, partial_note
 
     path = newest(results, "bit_identity-2*.json")
     legacy = render_legacy(results, docs)
@@ -191,10 +191,8 @@ def render(results: Path, docs: Path) -> str:
     lines += ["| " + " | ".join(_arm_cells(arm, doc)) + " |" for arm in doc["arms"]]
     return "\n".join(lines + [
         "", f"Reference: git {s['reference_sha'][:7]} (`--reference {s['reference']}`); this "
-        f"checkout: git {meta['sha'][:7]}"
-        + (f" (a partial run: {sum(1 for r in doc['records'] if r.get('ok'))} of "
-           f"{len(doc['arms']) * int(doc.get('passes', 0))} arm passes)" if meta["partial"]
-           else "") + f". Machine: {meta['cpu']} ({meta['isa']}), "
+        f"checkout: git {meta['sha'][:7]}{partial_note(doc)}. Machine: {meta['cpu']} "
+        f"({meta['isa']}), "
         f"{meta['cores']} cores. Command: `python -m benchmarks run bit_identity --reference "
         f"{s['reference']}`. Result file: [{path.name}]({os.path.relpath(path, docs)}).", "",
         "Earlier comparisons (the standalone script's result files):", "", legacy])
