@@ -69,10 +69,11 @@ def test_a_report_without_kl_statistics_is_an_error():
 
 def test_the_base_is_saved_once_and_every_arm_scored_against_it(tmp_path):
     settings = {"ctx": 512, "chunks": 8, "threads": 2}
-    save = gj.perplexity_argv(tmp_path / "llama-perplexity", tmp_path / "bf16.gguf",
-                              tmp_path / "it.txt", tmp_path / "base.kld", settings, save=True)
-    score = gj.perplexity_argv(tmp_path / "llama-perplexity", tmp_path / "arm.gguf",
-                               tmp_path / "it.txt", tmp_path / "base.kld", settings, save=False)
+    save = gj.perplexity_argv(tmp_path, tmp_path / "bf16.gguf", tmp_path / "it.txt",
+                              tmp_path / "base.kld", settings, save=True)
+    score = gj.perplexity_argv(tmp_path, tmp_path / "arm.gguf", tmp_path / "it.txt",
+                               tmp_path / "base.kld", settings, save=False)
+    assert save[0] == score[0] == str(tmp_path.joinpath("llama-perplexity"))
     assert "--kl-divergence" not in save and score[-1] == "--kl-divergence"
     assert "--no-repack" in save and "--no-repack" in score  # every llama.cpp tool that runs one
     for argv in (save, score):
@@ -84,18 +85,19 @@ def test_the_base_is_saved_once_and_every_arm_scored_against_it(tmp_path):
 def test_a_pass_scores_every_domain_and_writes_what_the_suite_reads(tmp_path):
     """The worker's loop, with a stand-in tool that prints the report (the real tool's run is
     the suite's end-to-end test)."""
-    tool = tmp_path / "llama-perplexity"
+    # a stand-in where the suite runs the tool
+    tool = Path(gj.perplexity_argv(tmp_path, tmp_path, tmp_path, tmp_path, gj.JUDGE, False)[0])
     tool.write_text(f"#!/bin/sh\ncat <<'EOF'\n{REPORT}\nEOF\n")
     tool.chmod(0o755)
     pairs = [f"{d}={tmp_path / d}.txt:{tmp_path / d}.kld" for d in gj.DOMAINS]
-    assert gj.main([str(tool), str(tmp_path / "arm.gguf"), str(tmp_path / "out"),
+    assert gj.main([str(tmp_path), str(tmp_path / "arm.gguf"), str(tmp_path / "out"),
                     json.dumps(gj.JUDGE), *pairs]) == 0
     got = json.loads((tmp_path / "out" / "judge.json").read_text())
     assert set(got) == set(gj.DOMAINS) and got["italian"]["kl_mean"] == 0.195511
     assert (tmp_path / "out" / "perplexity-javascript.log").read_text().strip()
     tool.write_text("#!/bin/sh\necho 'failed to load model' >&2\nexit 1\n")
     with pytest.raises(RuntimeError, match="exited 1"):
-        gj.judge(tool, tmp_path / "arm.gguf", {"italian": (Path("a"), Path("b"))}, gj.JUDGE,
+        gj.judge(tmp_path, tmp_path / "arm.gguf", {"italian": (Path("a"), Path("b"))}, gj.JUDGE,
                  tmp_path / "out2")
 
 

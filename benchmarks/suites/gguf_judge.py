@@ -92,11 +92,12 @@ def parse_kl_report(text: str) -> dict:
     return out
 
 
-def perplexity_argv(tool: Path, model: Path, text: Path, base: Path, judge: dict,
+def perplexity_argv(bin_dir: Path, model: Path, text: Path, base: Path, judge: dict,
                     save: bool) -> list[str]:
-    """``llama-perplexity`` saving the base's logits (``save``) or scoring ``model`` against
-    them."""
-    return llama_cpp_command(tool, model, "-f", text, "-c", str(judge["ctx"]), "-b",
+    """``llama-perplexity`` (in llama.cpp's tools directory ``bin_dir``) saving the base's
+    logits (``save``) or scoring ``model`` against them."""
+    return llama_cpp_command(Path(bin_dir) / "llama-perplexity", model, "-f", text,
+                             "-c", str(judge["ctx"]), "-b",
                              str(judge["ctx"]), "--chunks", str(judge["chunks"]), "-t",
                              str(judge["threads"]), "--kl-divergence-base", base,
                              *([] if save else ["--kl-divergence"]))
@@ -111,14 +112,14 @@ def _run(argv: list[str], log: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-def judge(tool: Path, model: Path, bases: dict[str, tuple[Path, Path]], judge_settings: dict,
-          out: Path) -> dict:
+def judge(bin_dir: Path, model: Path, bases: dict[str, tuple[Path, Path]],
+          judge_settings: dict, out: Path) -> dict:
     """Score ``model`` on every domain (``bases``: domain -> (text, saved base logits)); writes
     and returns ``{domain: parse_kl_report(...)}``."""
     out.mkdir(parents=True, exist_ok=True)
     scores = {}
     for domain, (text, base) in bases.items():
-        report = _run(perplexity_argv(tool, model, text, base, judge_settings, save=False),
+        report = _run(perplexity_argv(bin_dir, model, text, base, judge_settings, save=False),
                       out / f"perplexity-{domain}.log")
         scores[domain] = parse_kl_report(report)
         print(f"{domain}: KL {scores[domain]['kl_mean']:.5f}", file=sys.stderr, flush=True)
@@ -173,15 +174,15 @@ class _Model:
         self.name, self.src = name, src
         llama_cpp_env.gguf_files(env, src, inputs, [])  # the converter's bf16 GGUF, cached
         self.bf16 = inputs / f"{src.name}-bf16.gguf"
-        perplexity = tools.path / "bin" / "llama-perplexity"
         self.bases: dict[str, tuple[Path, Path]] = {}
         shape = f"{judge_settings['ctx']}x{judge_settings['chunks']}"
         for d in DOMAINS:
             text = domain_text(src, d, inputs / f"{name}-{d}.txt")
             base = inputs / f"{name}-{d}-bf16-{shape}.kld"
             partial = base.with_name(base.name + ".partial")
-            _once(base, perplexity_argv(perplexity, self.bf16, text, partial, judge_settings,
-                                        save=True), inputs / f"{name}-{d}-base.log")
+            _once(base, perplexity_argv(tools.path / "bin", self.bf16, text, partial,
+                                        judge_settings, save=True),
+                  inputs / f"{name}-{d}-base.log")
             self.bases[d] = (text, base)
         cshape = f"{calib['samples']}x{calib['seqlen']}"
         self.calib_text = calibration_text(src, calib, inputs / f"{name}-calibration-{cshape}.txt")
@@ -213,7 +214,6 @@ def build(opts: q.SuiteOptions) -> Suite:
     env, tools = llama_cpp_env.install(), llama_cpp_env.install_tools()
     models = {name: _Model(name, src, inputs, calib, judge_settings, env, tools)
               for name, src in judging_models(opts).items()}
-    perplexity = tools.path / "bin" / "llama-perplexity"
     arms, baseline_of = [], {}
     for m in models.values():
         for type_name, (llama_type, flags) in TYPES.items():
@@ -240,7 +240,7 @@ def build(opts: q.SuiteOptions) -> Suite:
 
                 def command(ctx: PassContext, m=m, file_of=file_of) -> Command:
                     return Command([sys.executable, "-m", "benchmarks.suites.gguf_judge",
-                                    str(perplexity), str(file_of(ctx)), str(ctx.workdir),
+                                    str(tools.path / "bin"), str(file_of(ctx)), str(ctx.workdir),
                                     json.dumps(judge_settings),
                                     *(f"{d}={t}:{b}" for d, (t, b) in m.bases.items())],
                                    timeout=timeout)
@@ -323,7 +323,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.suites.gguf_judge PERPLEXITY GGUF OUT JUDGE_JSON DOMAIN=TEXT:BASE...``:
+    """``python -m benchmarks.suites.gguf_judge TOOLS_BIN GGUF OUT JUDGE_JSON DOMAIN=TEXT:BASE...``:
     one pass of an arm (:func:`judge`)."""
     args = sys.argv[1:] if argv is None else argv
     tool, model, out, settings, *pairs = args
