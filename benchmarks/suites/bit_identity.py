@@ -145,6 +145,8 @@ def reference_of(doc: dict) -> dict:
 def _arm_cells(arm: str, doc: dict) -> list[str]:
     records = [r for r in doc["records"] if r["arm"] == arm]
     ok = [r for r in records if r["ok"]]
+    if not records:
+        return [f"`{arm}`", "—", "—", "not run (the run stopped before this arm's pass)"]
     if not ok:
         return [f"`{arm}`", "—", "—", f"failed ({len(records)} passes)"]
     first = ok[0]["extras"]
