@@ -105,3 +105,16 @@ def test_arm_names_pair_each_type_with_llama_cpps():
     assert gj.arm_name("smollm2", gj.OURS, "q4_k_m") == "smollm2:cpu-quant-q4_k_m"
     assert gj.arm_name("smollm2", gj.THEIRS, "q4_k_m") == "smollm2:llama.cpp-q4_k_m-imatrix"
     assert {t for t, _ in gj.TYPES.values()} == {"Q4_0", "Q4_K_M", "IQ4_NL"}
+
+
+def test_a_source_or_prebuilt_artifact_is_refused_before_any_work(tmp_path):
+    """The suite judges its own off-grid models: --source or --artifact is refused in one
+    line, before any model is read or written."""
+    from benchmarks.suites.quantize import SuiteOptions
+
+    for opts in (SuiteOptions(smoke=True, workdir=tmp_path / "w", source=tmp_path),
+                 SuiteOptions(smoke=True, workdir=tmp_path / "w",
+                              prebuilt={"x": tmp_path})):
+        with pytest.raises(ValueError, match="no --source or --artifact"):
+            gj.build(opts)
+    assert not (tmp_path / "w").exists()
