@@ -117,7 +117,10 @@ def _head_dim(cfg: dict) -> int:
     return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
-def _write_hyperparameters(w: gguf.GGUFWriter, spec: ArchSpec, cfg: dict) -> None:
+def _write_hyperparameters(w: gguf.GGUFWriter, spec: ArchSpec, cfg: dict,
+                           file_type: gguf.LlamaFileType) -> None:
+    """The ``{arch}.*`` hyperparameters and ``general.file_type``, in the order every earlier
+    release wrote them (the file's bytes depend on the keys' order)."""
     w.add_context_length(int(cfg["max_position_embeddings"]))
     w.add_embedding_length(int(cfg["hidden_size"]))
     w.add_block_count(int(cfg["num_hidden_layers"]))
@@ -130,5 +133,6 @@ def _write_hyperparameters(w: gguf.GGUFWriter, spec: ArchSpec, cfg: dict) -> Non
     if cfg.get("head_dim") is not None:  # as the converter: whenever config.json states it
         w.add_key_length(int(cfg["head_dim"]))
         w.add_value_length(int(cfg["head_dim"]))
+    w.add_file_type(file_type)
     if spec.extra_keys is not None:
         spec.extra_keys(w, cfg)

@@ -244,8 +244,7 @@ def _write_file(path: Path, spec: ArchSpec, cfg: dict, art: ArtifactInfo, entrie
                 fmt: Format) -> None:
     w = gguf.GGUFWriter(path, spec.name)
     w.add_name(model_name(art.source))
-    _write_hyperparameters(w, spec, cfg)
-    w.add_file_type(fmt.llama_file_type)
+    _write_hyperparameters(w, spec, cfg, fmt.llama_file_type)
     _write_tokenizer(w, Path(art.source), cfg, fmt.pre_tokenizer)
     w.add_uint32("cpu_quant.group_size", int(art.default_group))
     w.add_bool("cpu_quant.head_quantized", bool(art.head_quantized))
