@@ -195,11 +195,141 @@ def test_a_language_model_config_its_tensors_contradict_is_refused_before_the_bu
     assert len(out.error_lines) == 1 and needle in out.error_lines[0], out.stderr
 
 
-def test_gguf_of_a_vision_language_model_is_refused_in_one_line(tiny_vlm, tmp_path):
-    out = invoke(["gptq", tiny_vlm, tmp_path / "out", "--format", "gptq,gguf", "--no-eval"])
-    assert out.exit_code != 0 and not out.traceback, out.stderr
-    assert len(out.error_lines) == 1 and "mmproj" in out.error_lines[0], out.stderr
-    assert not (tmp_path / "out").exists()
+# -- GGUF: the language model's file and llama.cpp's projector file ------------------------------
+@pytest.fixture(scope="session")
+def tiny_vlm_formats(tiny_vlm: Path, tmp_path_factory) -> Path:
+    """One run writing GPTQ and GGUF (the same codes): ``<dst>/gptq`` and ``<dst>/gguf``."""
+    from cpu_quant.formats import get_format
+
+    dst = tmp_path_factory.mktemp("vlm-formats") / "out"
+    quantize_checkpoint(tiny_vlm, dst, SETTINGS, [get_format("gptq"), get_format("gguf")],
+                        progress=False)
+    return dst
+
+
+def _gguf_files(directory: Path) -> tuple[Path, Path]:
+    files = sorted(directory.glob("*.gguf"))
+    mmproj = [f for f in files if f.name.startswith("mmproj-")]
+    model = [f for f in files if not f.name.startswith("mmproj-")]
+    assert len(mmproj) == 1 and len(model) == 1, files
+    return model[0], mmproj[0]
+
+
+def test_gguf_writes_the_language_model_and_the_projector_file(tiny_vlm, tiny_vlm_formats):
+    """The model file is a Llama decoder (the checkpoint's ``model.text_model.`` read as
+    ``model.``) with every linear and the head Q4_0, and nothing of the vision tower; the
+    projector file holds the 38 kept tensors with the source's values (BF16 weights bit for
+    bit, F32 norms, biases and embeddings), named and typed as llama.cpp's converter does, and
+    the ``clip`` keys of an Idefics3 projector; verify and inspect read both."""
+    import gguf
+
+    from cpu_quant.formats.gguf import reader as gguf_reader
+    from cpu_quant.verify.checks import verify_checkpoint
+    from cpu_quant.verify.inspect import inspect_checkpoint
+    from cpu_quant.verify.source import compare_with_source
+
+    model, mmproj = _gguf_files(tiny_vlm_formats / "gguf")
+    r = gguf.GGUFReader(model)
+    assert r.get_field("general.architecture").contents() == "llama"
+    assert not any(t.name.startswith(("v.", "mm.")) for t in r.tensors)
+    modules = gguf_reader.unpack(model)
+    assert len(modules) == 2 * 7 + 1 and "lm_head" in modules
+    assert all(m.startswith("model.text_model.layers.") for m in modules if m != "lm_head")
+    p = gguf.GGUFReader(mmproj)
+    keys = {k: f.contents() for k, f in p.fields.items() if not k.startswith("GGUF.")}
+    assert keys["general.architecture"] == "clip" and keys["general.type"] == "mmproj"
+    assert keys["clip.projector_type"] == "idefics3" and keys["clip.vision.projection_dim"] == 128
+    assert keys["clip.vision.projector.scale_factor"] == 2
+    assert keys["clip.vision.image_size"] == keys["clip.vision.preproc_image_size"] == 56
+    types = {t.name: t.tensor_type.name for t in p.tensors}
+    assert len(types) == 38 and types["mm.model.fc.weight"] == "BF16"
+    assert types["v.patch_embd.weight"] == types["v.position_embd.weight"] == "F32"
+    assert types["v.blk.1.attn_q.weight"] == "BF16" and types["v.blk.1.ln2.bias"] == "F32"
+
+    report = verify_checkpoint(tiny_vlm_formats / "gguf")
+    assert not [f for f in report.findings if f.severity == "error"], report.findings
+    assert any(f.check == "mmproj" and "idefics3" in f.message for f in report.findings)
+    summary = inspect_checkpoint(tiny_vlm_formats / "gguf")
+    assert summary.summary["mmproj"]["tensors"] == 38, summary
+    findings, source = compare_with_source(tiny_vlm_formats / "gguf", tiny_vlm)
+    assert not findings and source["kept_tensors"] == 38 and source["modules"] == 15, findings
+
+
+def test_verify_refuses_a_projector_file_missing_a_tensor_or_cut_short(tiny_vlm, tiny_vlm_formats,
+                                                                      tmp_path):
+    """A projector file without the projector's weight, or truncated, is an error; and
+    ``verify --source`` names a kept tensor changed in its last bit."""
+    import gguf
+    import numpy as np
+
+    from cpu_quant.verify.checks import verify_checkpoint
+    from cpu_quant.verify.source import compare_with_source
+
+    _, mmproj = _gguf_files(tiny_vlm_formats / "gguf")
+    short = tmp_path / "short"
+    shutil.copytree(tiny_vlm_formats / "gguf", short)
+    cut = short / mmproj.name
+    cut.write_bytes(cut.read_bytes()[:-1000])
+    errors = [f for f in verify_checkpoint(short).findings if f.severity == "error"]
+    assert errors and all(f.check.startswith("mmproj") for f in errors), errors
+
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_vlm_formats / "gguf", changed)
+    data = bytearray((changed / mmproj.name).read_bytes())
+    t = next(t for t in gguf.GGUFReader(mmproj).tensors if t.name == "mm.model.fc.weight")
+    data[int(t.data_offset)] ^= 1  # the lowest bit of its first BF16 value
+    (changed / mmproj.name).write_bytes(bytes(data))
+    findings, _ = compare_with_source(changed, tiny_vlm)
+    assert [f.tensor for f in findings] == ["model.connector.modality_projection.proj.weight"]
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_vlm_formats / "gguf", renamed)
+    w = gguf.GGUFWriter(renamed / mmproj.name, "clip")
+    reader = gguf.GGUFReader(mmproj)
+    for k, f in reader.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1
+                            else None)
+    for t in reader.tensors:
+        if t.name != "mm.model.fc.weight":
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    errors = [f for f in verify_checkpoint(renamed).findings if f.severity == "error"]
+    assert [(f.check, f.tensor) for f in errors] == [("mmproj-tensor", "mm.model.fc.weight")]
+
+
+def test_the_projector_file_is_llama_cpps_converters(tiny_vlm, tiny_vlm_formats, tmp_path):
+    """Against llama.cpp's own converter (``convert_hf_to_gguf.py --mmproj --outtype bf16``
+    of the same source, from the llama-cpp-python source the peer build holds): the same
+    tensors in the same order, types and bytes, and the same metadata but the name the
+    converter derives from the directory and its size label."""
+    import gguf
+    import numpy as np
+
+    from benchmarks.peers.llama_cpp_env import _CONVERT, CONVERT_PRE_TOKENIZER, ready_env
+
+    env = ready_env()
+    if env is None:
+        pytest.skip("llama-cpp-python peer venv not built (python -m benchmarks.peers.llama_cpp_env)")
+    ref = tmp_path / "ref-mmproj.gguf"
+    proc = subprocess.run([sys.executable, "-c", _CONVERT,
+                           str(env.path / "llama.cpp" / "convert_hf_to_gguf.py"),
+                           CONVERT_PRE_TOKENIZER, str(tiny_vlm), "--mmproj", "--outtype", "bf16",
+                           "--outfile", str(ref)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, mmproj = _gguf_files(tiny_vlm_formats / "gguf")
+    theirs, ours = gguf.GGUFReader(ref), gguf.GGUFReader(mmproj)
+    skip = ("GGUF.", "general.name", "general.size_label")
+    kt = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith(skip)}
+    ko = {k: f.contents() for k, f in ours.fields.items() if not k.startswith(skip)}
+    assert ko == kt
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert np.array_equal(np.array(a.data), np.array(b.data)), a.name
 
 
 def test_another_vision_language_family_is_refused_in_one_line(tiny_vlm, tmp_path):
@@ -293,3 +423,85 @@ def _assert_served_like_dequantized(dst: Path, tmp_path: Path, methods: tuple[st
                 f"vLLM diverged from the dequantized weights at token {first_diff} with a top-2 "
                 f"margin of {margin:.3f} nats: {got} vs {expected}")
     assert expected_all[0] != expected_all[1], expected_all
+
+
+# -- end-to-end: real llama.cpp with an image (libmtmd) -----------------------------------------
+IMAGE_SIDE = 56  # the tiny model's tile: llama.cpp's overview and its one slice are this image
+
+
+@torch.no_grad()
+def _llama_cpp_against_torch(dst: Path, tmp_path: Path, seed: int) -> tuple[list[int], float]:
+    """llama.cpp's run of the GGUF pair on the image of ``seed`` against the torch model that
+    holds the same weights (the GPTQ artifact of the same run, its embedding replaced by the
+    GGUF's Q8_0 one) fed llama.cpp's own token layout and the same pixels. Returns llama.cpp's
+    greedy tokens and the largest logit difference, after checking the image embeddings and
+    every greedy step."""
+    import gguf
+    import numpy as np
+
+    from benchmarks.peers.llama_cpp_env import ready_env
+    from cpu_quant.eval.dequantized import load_model
+
+    env = ready_env()
+    if env is None:
+        pytest.skip("llama-cpp-python peer venv not built (python -m benchmarks.peers.llama_cpp_env)")
+    model_file, mmproj = _gguf_files(dst / "gguf")
+    pixels = np.random.RandomState(seed).randint(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3),
+                                                 dtype=np.uint8)
+    np.save(tmp_path / f"image-{seed}.npy", pixels)
+    out = tmp_path / f"llama-cpp-{seed}.npz"
+    proc = subprocess.run([str(env.python), str(REPO / "tests" / "helpers" / "llama_cpp_images.py"),
+                           str(model_file), str(mmproj), str(tmp_path / f"image-{seed}.npy"),
+                           "User:<__media__>What is in this image?", str(out), str(REPO),
+                           str(NEW_TOKENS)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    arrays = np.load(out)
+
+    model = load_model(dst / "gptq", torch.float32)
+    emb = next(t for t in gguf.GGUFReader(model_file).tensors if t.name == "token_embd.weight")
+    model.get_input_embeddings().weight.data = torch.from_numpy(
+        gguf.quants.dequantize(np.array(emb.data), emb.tensor_type).copy()).float()
+    ids, images = [], 0
+    for chunk in result["chunks"]:
+        if chunk["type"] == "text":
+            ids += chunk["tokens"]
+        else:
+            ids += [model.config.image_token_id] * chunk["n_tokens"]
+            images += 1
+    assert images == 2  # the overview and one slice, as Idefics3's processor splits
+    x = (torch.from_numpy(pixels).permute(2, 0, 1).float() / 255 - 0.5) / 0.5
+    pixel_values = x.expand(1, images, *x.shape).contiguous()
+    features = model.model.get_image_features(pixel_values=pixel_values)
+    features = getattr(features, "pooler_output", features).reshape(images, -1, 128)
+    for i, key in enumerate(k for k in arrays.files if k.startswith("image_")):
+        theirs = torch.from_numpy(arrays[key])
+        rel = ((theirs - features[i]).norm() / features[i].norm()).item()
+        # llama.cpp runs the BF16 weights with bf16-rounded activations, torch in float32
+        assert rel < 0.01, (key, rel)
+    diffs, steps = [], []
+    generated = result["generated"]
+    for s, token in enumerate(generated):
+        logits = model(input_ids=torch.tensor([ids + generated[:s]]),
+                       pixel_values=pixel_values).logits[0, -1]
+        diffs.append((logits - torch.from_numpy(arrays["logits"][s])).abs().max().item())
+        best = int(logits.argmax())
+        steps.append((best, float(logits[best] - logits[token])))
+    diff = max(diffs)
+    print(f"llama.cpp vs torch, image {seed}: largest logit difference {diff:.3f}; llama.cpp "
+          f"{generated}, torch at its prefixes {[b for b, _ in steps]}")
+    assert diff < 1.5  # Q8_0 activations in llama.cpp; a layout error moves logits by far more
+    for s, (best, gap) in enumerate(steps):  # torch's choice, or a near tie within the rounding
+        assert best == generated[s] or gap <= 2 * diff, (s, best, gap)
+    return generated, diff
+
+
+@pytest.mark.e2e
+def test_llama_cpp_runs_the_gguf_and_projector_file_with_an_image(tiny_vlm_formats, tmp_path):
+    """Real llama.cpp (libmtmd) loads the language model's GGUF and the projector file, lays
+    out the image as Idefics3 does (an overview and its slice), and computes the image
+    embeddings of the torch model (relative error under 1 %) and its greedy tokens; two
+    images give different continuations, so the image reaches the tokens compared."""
+    first, _ = _llama_cpp_against_torch(tiny_vlm_formats, tmp_path, 1)
+    second, _ = _llama_cpp_against_torch(tiny_vlm_formats, tmp_path, 2)
+    assert first != second

@@ -204,6 +204,13 @@ class Format:
         dequantized to float32 ``[N, K]`` (``verify --source``)."""
         raise CpuQuantError(f"verify --source cannot read {self.name} artifacts")
 
+    def kept_tensors(self, path: Path, source_config: dict,
+                     names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """For each source tensor name in ``names`` that a run keeps unquantized (a
+        vision-language model's vision tower and projector), that tensor as an artifact of
+        this format stores it, or None where it lacks it (``verify --source``)."""
+        yield from ()
+
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written in this format, or None
         (checked before any work)."""

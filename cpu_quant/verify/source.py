@@ -134,29 +134,45 @@ def _source_weight(src: Checkpoint, name: str) -> torch.Tensor:
         raise CpuQuantError(f"--source: {exc}") from None
 
 
-def _compare_kept(root: Path, src: Checkpoint) -> tuple[list[Finding], int]:
-    """(error findings, tensors compared): a vision-language artifact's kept tensors (vision
-    tower, projector) against the source's, which they must equal bit for bit in bf16."""
-    if format_owning(root) is not None:
-        return [], 0
+def _kept_pairs(root: Path, src: Checkpoint) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(source name, the artifact's tensor or None) for every tensor the run kept unquantized
+    (a vision-language model's vision tower and projector)."""
+    family = family_of(src.config)
+    if family is None:
+        return
+    kept = [n for n in src.names if family.kept_module(n)]
+    owner = format_owning(root)
+    if owner is not None:
+        yield from owner.kept_tensors(root, src.config, kept)
+        return
     art = open_checkpoint(root)
     try:
-        family = family_of(art.config)
-        kept = [n for n in art.names if family and family.kept_module(n)]
-        findings = []
+        names = set(art.names)
         for name in kept:
-            if name not in src.names:
-                findings.append(error("source", name, "kept unquantized, but the source has no "
-                                      "such tensor"))
-                continue
-            got, want = art.tensor(name), src.tensor(name).to(torch.bfloat16)
-            if (got.dtype != want.dtype or got.shape != want.shape
-                    or not torch.equal(got.view(torch.int16), want.view(torch.int16))):
-                findings.append(error("source", name, "kept unquantized, but not the source's "
-                                      "tensor (bf16, bit for bit)"))
-        return findings, len(kept)
+            yield name, art.tensor(name) if name in names else None
     finally:
         art.close()
+
+
+def _compare_kept(root: Path, src: Checkpoint) -> tuple[list[Finding], int]:
+    """(error findings, tensors compared): a vision-language artifact's kept tensors (vision
+    tower, projector) against the source's, which they must equal bit for bit in bf16 (a
+    format that stores one in float32 holds the same values)."""
+    findings, compared = [], 0
+    for name, got in _kept_pairs(root, src):
+        compared += 1
+        if got is None:
+            findings.append(error("source", name, "kept unquantized in the source's model, but "
+                                  "the artifact has no such tensor"))
+            continue
+        want = src.tensor(name).to(torch.bfloat16)
+        same = got.shape == want.shape and (
+            torch.equal(got.view(torch.int16), want.view(torch.int16))
+            if got.dtype == torch.bfloat16 else torch.equal(got.float(), want.float()))
+        if not same:
+            findings.append(error("source", name, "kept unquantized, but not the source's "
+                                  "tensor (bf16, bit for bit)"))
+    return findings, compared
 
 
 def compare_with_source(root: str | Path, source: str | Path) -> tuple[list[Finding], dict]:

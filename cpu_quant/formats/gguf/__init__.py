@@ -61,6 +61,10 @@ While a run is going, each ``end_layer`` writes ``.gguf-parts/part-XXXXX.safeten
 layer's quantized blocks as uint8 [N, bytes per row] under their Hugging Face names and its
 float tensors as given (bf16). ``finish`` maps names, permutes, converts and streams everything into
 ``<model>-Q4_0.gguf.partial``, renames it into place and deletes the parts.
+
+A vision-language model (``vision.py``) gets a second file, llama.cpp's projector file
+``mmproj-<model>-BF16.gguf``: its vision tower and projector, unquantized, written from the
+kept tensors' parts before the model file.
 """
 
 from .format import GGUFFormat  # noqa: F401  (registers the format)

@@ -15,7 +15,6 @@ from ...core.block_grid import BlockGrid
 from ...core.errors import CpuQuantError
 from ...core.experts import refuse_experts
 from ...core.findings import Finding
-from ...core.vision_language import family_of
 from ..base import Format, Limits, Serving
 from .architectures import arch_spec
 from .block_types import QUANT_TYPES
@@ -23,6 +22,15 @@ from .mix import IQ4_NL, Q4_K_M, Q4_K_S, FileType, TensorFacts, chosen_type
 from .q4_0 import BLOCK, pack_q4_0, unpack_q4_0
 from .reader import _open, gguf_file_in, inspect, quantized_types, unpack, verify
 from .sink import GGUFSink
+from .vision import (
+    inspect_mmproj,
+    language_config,
+    language_name,
+    mmproj_file_in,
+    mmproj_tensors,
+    refuse_vision,
+    verify_mmproj,
+)
 
 # On a CPU with AMX, llama.cpp (the vendored 0.3.36 build and upstream alike; llama.cpp #20824,
 # "segfault in ggml_backend_amx_mul_mat") repacks Q4_0 weights into its AMX buffer type and then
@@ -41,6 +49,9 @@ def llama_cpp_command(tool: str | Path, model: str | Path, *args: str | Path) ->
     it, and takes no such option."""
     return [str(tool), "-m", str(model), LLAMA_CPP_NO_REPACK, *map(str, args)]
 
+MMPROJ_WHY = ("A vision-language model runs from two files: the language model's GGUF (its "
+              "linears 4-bit) and the projector file `mmproj-*.gguf` (the vision tower and the "
+              "projector, unquantized), which llama.cpp's multimodal tools take as `--mmproj`.")
 
 
 class GGUFFormat(Format, name="gguf"):
@@ -57,18 +68,21 @@ class GGUFFormat(Format, name="gguf"):
         self.pre_tokenizer = pre_tokenizer
 
     def serving(self, target: Path) -> Serving:
-        return Serving("llama.cpp", shlex.join(llama_cpp_command("llama-cli", target)),
-                       (NO_REPACK_WHY,))
+        model = gguf_file_in(Path(target)) or Path(target)  # the model file of a directory
+        mmproj = mmproj_file_in(model.parent) if model.is_file() else None
+        if mmproj is None:
+            return Serving("llama.cpp", shlex.join(llama_cpp_command("llama-cli", model)),
+                           (NO_REPACK_WHY,))
+        return Serving("llama.cpp", shlex.join(llama_cpp_command(
+            "llama-mtmd-cli", model, "--mmproj", mmproj, "--image", "IMAGE.jpg", "-p",
+            "Describe this image.")), (MMPROJ_WHY, NO_REPACK_WHY))
 
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written as GGUF (checked before work)."""
-        family = family_of(source_config)
-        if family is not None:
-            return (f"{family.name} is a vision-language model: this GGUF writer has no layout "
-                    f"for its language model under {family.language_model} nor llama.cpp's "
-                    "separate projector file (mmproj); --format gptq serves it with vLLM")
+        if why := refuse_vision(source_config):
+            return why
         try:
-            arch_spec(source_config)
+            arch_spec(language_config(source_config))
         except CpuQuantError as e:
             return str(e)
         return None
@@ -83,10 +97,20 @@ class GGUFFormat(Format, name="gguf"):
         file = gguf_file_in(Path(path))
         quantized = sum(t.tensor_type in quantized_types() and t.name != "token_embd.weight"
                         for t in _open(file).tensors)  # the linears and the head
-        return verify(file), quantized
+        mmproj = mmproj_file_in(file.parent)
+        return verify(file) + (verify_mmproj(mmproj) if mmproj else []), quantized
 
     def inspect_artifact(self, path: Path) -> dict:
-        return inspect(gguf_file_in(Path(path)))
+        file = gguf_file_in(Path(path))
+        mmproj = mmproj_file_in(file.parent)
+        return {**inspect(file), **({"mmproj": inspect_mmproj(mmproj)} if mmproj else {})}
+
+    def kept_tensors(self, path: Path, source_config: dict, names: list[str]):
+        mmproj = mmproj_file_in(gguf_file_in(Path(path)).parent)
+        if mmproj is None:
+            yield from ((n, None) for n in names)
+            return
+        yield from mmproj_tensors(mmproj, source_config, names)
 
     def dequantized_modules(self, path: Path):
         for module, gq in unpack(gguf_file_in(Path(path))).items():
@@ -154,7 +178,8 @@ def _tensor_name_map(arch: gguf.MODEL_ARCH, n_layers: int) -> gguf.TensorNameMap
 
 def tensor_facts(module: str, in_features: int, cfg: dict, calibrated: bool) -> TensorFacts:
     """What llama.cpp's type choice sees of the tensor of HF module ``module`` (a linear,
-    ``lm_head`` or the embedding)."""
+    ``lm_head`` or the embedding); a vision-language model's decoder as a decoder-only one."""
+    module, cfg = language_name(cfg, module), language_config(cfg)
     spec = arch_spec(cfg)
     n_layers = int(cfg["num_hidden_layers"])
     name = _tensor_name_map(spec.arch, n_layers).get_name(module + ".weight",

@@ -19,6 +19,7 @@ from .architectures import ARCHITECTURES, LINEARS, ArchSpec, _head_dim, unpermut
 from .block_types import QUANT_TYPES
 from .experts import expected_moe_tensors, expert_modules, unstack
 from .q4_0 import BLOCK_BYTES, F32, Q4_0, unpack_q4_0
+from .vision import LANGUAGE_PREFIX_KEY, MMPROJ_PREFIX
 
 
 def quantized_types() -> set[gguf.GGMLQuantizationType]:
@@ -106,6 +107,10 @@ def unpack(path: Path) -> dict[str, GroupQuant | BlockQuant]:
         blocks = torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1)
         module = modules[t.name]
         out[module] = unpack_tensor(t.tensor_type, _undo_rows(spec, cfg, module, blocks))
+    prefix = _field_value(reader, LANGUAGE_PREFIX_KEY)  # a vision-language model's decoder
+    if prefix:
+        out = {prefix + m.removeprefix("model.") if m.startswith("model.") else m: gq
+               for m, gq in out.items()}
     return out
 
 
@@ -271,10 +276,11 @@ def _file_type_name(value) -> str | None:
 
 
 def gguf_file_in(path: Path) -> Path | None:
-    """``path`` itself when it is a ``.gguf`` file; the one ``.gguf`` file of a directory; None."""
+    """``path`` itself when it is a ``.gguf`` file; the one model ``.gguf`` file of a directory
+    (a vision-language model's projector file, ``mmproj-*.gguf``, beside it); None."""
     if path.is_file():
         return path if path.suffix == ".gguf" else None
     if path.is_dir() and not (path / "config.json").is_file():
-        files = sorted(path.glob("*.gguf"))
+        files = sorted(p for p in path.glob("*.gguf") if not p.name.startswith(MMPROJ_PREFIX))
         return files[0] if len(files) == 1 else None
     return None

@@ -26,6 +26,15 @@ from .block_types import QUANT_TYPES
 from .experts import is_router, stacked_name
 from .q4_0 import F32, Q4_0, pack_q4_0
 from .tokenizer import _write_tokenizer
+from .vision import (
+    LANGUAGE_PREFIX_KEY,
+    is_kept,
+    language_config,
+    language_name,
+    mmproj_file_name,
+    vision_gguf,
+    write_mmproj,
+)
 
 PARTS_DIR = ".gguf-parts"
 # The type of token_embd (and of the head when it is not quantized). Measured in llama.cpp on the
@@ -34,6 +43,7 @@ PARTS_DIR = ".gguf-parts"
 # on the model's largest tensor); llama.cpp's own Q4_0 of the model picks Q8_0 as well.
 EMBEDDING_TYPE = gguf.GGMLQuantizationType.Q8_0
 FLOAT_LINEAR_TYPE = gguf.GGMLQuantizationType.BF16
+BF16 = gguf.GGMLQuantizationType.BF16
 
 
 
@@ -112,17 +122,27 @@ class GGUFSink(Sink):
     def finish(self, info: ArtifactInfo) -> None:
         if self._pending:
             self.end_layer(self.n_layers)
-        cfg = info.source_config
-        spec = arch_spec(cfg)
+        cfg = info.source_config  # a vision-language model's: the language model's is lm_cfg
+        lm_cfg = language_config(cfg)
+        spec = arch_spec(lm_cfg)
         target = self.directory / gguf_file_name(info.source, self.fmt.file_suffix)
-        entries = self._entries(spec, cfg)
-        tmp = target.with_name(target.name + ".partial")
-        tmp.unlink(missing_ok=True)
+        entries, kept = self._entries(spec, cfg)
+        written = []
         try:
-            _write_file(tmp, spec, cfg, info, entries, self.fmt)
-            os.replace(tmp, target)
-        except BaseException:
+            if kept:  # the vision tower and the projector: llama.cpp's projector file
+                mmproj = self.directory / mmproj_file_name(model_name(info.source), BF16)
+                written.append(mmproj.with_name(mmproj.name + ".partial"))
+                write_mmproj(written[-1], cfg, Path(info.source), model_name(info.source), kept)
+            tmp = target.with_name(target.name + ".partial")
+            written.append(tmp)
             tmp.unlink(missing_ok=True)
+            prefix = vision_gguf(cfg).text_prefix if kept else None  # type: ignore[union-attr]
+            _write_file(tmp, spec, lm_cfg, info, entries, self.fmt, prefix)
+            for path in written:
+                os.replace(path, path.with_name(path.name[: -len(".partial")]))
+        except BaseException:
+            for path in written:
+                path.unlink(missing_ok=True)
             raise
         report = target.with_name(target.name[: -len(".gguf")] + ".quantization_report.json")
         rtmp = report.with_name(report.name + ".tmp")
@@ -130,32 +150,42 @@ class GGUFSink(Sink):
         os.replace(rtmp, report)
         shutil.rmtree(self.parts_dir, ignore_errors=True)
 
-    def _entries(self, spec: ArchSpec, cfg: dict) -> list[_Entry]:
-        names = gguf.get_tensor_name_map(spec.arch, int(cfg["num_hidden_layers"]))
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        entries = []
+    def _entries(self, spec: ArchSpec, cfg: dict) -> tuple[list[_Entry], list[tuple[str, Path]]]:
+        """The language model's tensors (entries of the model file) and, for a vision-language
+        model, the kept tensors of its vision tower and projector (name, part) for the
+        projector file."""
+        lm_cfg = language_config(cfg)
+        names = gguf.get_tensor_name_map(spec.arch, int(lm_cfg["num_hidden_layers"]))
+        tied = bool(lm_cfg.get("tie_word_embeddings", False))
+        entries, kept = [], []
         stacks: dict[str, dict[int, tuple[str, str, Path]]] = {}  # experts.py
         for part in self.parts:
             path = self.parts_dir / part
             with safe_open(path, "pt") as f:
                 keys = sorted(f.keys())
             for hf in keys:
-                kind = self.kinds.get(hf) or _float_kind(hf)
+                if is_kept(cfg, hf):
+                    kept.append((hf, path))
+                    continue
+                lm = language_name(cfg, hf)  # the decoder's name (model.text_model.X -> model.X)
+                kind = self.kinds.get(hf)
+                if kind is None or kind not in QUANTIZED_KINDS:
+                    kind = _float_kind(lm)
                 if (stacked := stacked_name(hf)) is not None:
                     stacks.setdefault(stacked[0], {})[stacked[1]] = (hf, kind, path)
                     continue
                 quantized = kind in QUANTIZED_KINDS
-                if hf == "lm_head.weight" and not quantized and (tied or not spec.head_tensor):
+                if lm == "lm_head.weight" and not quantized and (tied or not spec.head_tensor):
                     continue  # llama.cpp reads token_embd as the head
-                if hf == "lm_head" and not spec.head_tensor:
+                if lm == "lm_head" and not spec.head_tensor:
                     raise CpuQuantError(f"gguf: {spec.name} has no output tensor; do not quantize its head")
-                lookup = hf + ".weight" if quantized else hf
+                lookup = lm + ".weight" if quantized else lm
                 gname = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
                 if gname is None:
                     raise CpuQuantError(f"gguf: {hf} has no {spec.name} tensor name in llama.cpp")
                 entries.append(_Entry(gname, hf, path, kind))
         entries += [_stacked_entry(names, spec, name, experts) for name, experts in stacks.items()]
-        return sorted(entries, key=lambda e: _tensor_order(e.gguf_name))
+        return sorted(entries, key=lambda e: _tensor_order(e.gguf_name)), kept
 
 
 def _stacked_entry(names: gguf.TensorNameMap, spec: ArchSpec, name: str,
@@ -241,13 +271,15 @@ def _convert(entry: _Entry, tensor: torch.Tensor, spec: ArchSpec, cfg: dict) -> 
 
 
 def _write_file(path: Path, spec: ArchSpec, cfg: dict, art: ArtifactInfo, entries: list[_Entry],
-                fmt: Format) -> None:
+                fmt: Format, language_prefix: str | None = None) -> None:
     w = gguf.GGUFWriter(path, spec.name)
     w.add_name(model_name(art.source))
     _write_hyperparameters(w, spec, cfg, fmt.llama_file_type)
     _write_tokenizer(w, Path(art.source), cfg, fmt.pre_tokenizer)
     w.add_uint32("cpu_quant.group_size", int(art.default_group))
     w.add_bool("cpu_quant.head_quantized", bool(art.head_quantized))
+    if language_prefix is not None:  # a vision-language model's decoder (vision.py)
+        w.add_string(LANGUAGE_PREFIX_KEY, language_prefix)
     for e in entries:  # shapes and byte counts first: the header precedes the data
         with safe_open(e.part, "pt") as f:
             shape = e.shape(f)
