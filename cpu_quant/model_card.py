@@ -124,6 +124,7 @@ SETTING_ROWS = {
     "smooth": "activation smoothing",
     "calib": "calibration", "samples": "calibration", "seqlen": "calibration",
     "batch_size": "calibration",  # the order of the Hessians' float32 sums
+    "image_samples": "calibration", "images": "calibration",
     "act_order": "act-order (static groups)",
     "damp": "damping",
     "w4a8_hessians": "Hessians",
@@ -173,6 +174,9 @@ def _setting_rows(report: dict) -> list[str]:
                    f"{calib}: {s.get('samples')} windows × {s.get('seqlen')} tokens "
                    f"({report.get('calibration_tokens', 0)} tokens) in batches of "
                    f"{s.get('batch_size')}")
+    if s.get("image_samples"):
+        calibration += (f"; {s['image_samples']} of the windows begin with an image ("
+                        f"{s.get('images') or 'the built-in images'})")
     group = s.get("group_size")
     others = _used_groups(report, lambda n: n != HEAD_NAME and not n.endswith(DOWN_LEAF))
     head = _groups_text(_used_groups(report, lambda n: n == HEAD_NAME), s.get("head_group"))

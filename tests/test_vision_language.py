@@ -195,6 +195,80 @@ def test_a_language_model_config_its_tensors_contradict_is_refused_before_the_bu
     assert len(out.error_lines) == 1 and needle in out.error_lines[0], out.stderr
 
 
+# -- image calibration (--image-samples) ----------------------------------------------------------
+@torch.no_grad()
+def test_an_image_window_is_what_the_model_feeds_its_language_model(tiny_vlm):
+    """``image_windows``: the embeddings of an image window equal those the whole model (the
+    transformers Idefics3, float32) hands its language model for the same prompt and image:
+    the processor's layout, the vision tower, the projector and the merge, as the model does
+    them; the window's text follows the prompt."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from cpu_quant.data.images import load_images
+    from cpu_quant.quantize.image_calibration import image_prompt, image_windows
+
+    window = list(range(100, 164))
+    ckpt = open_checkpoint(tiny_vlm)
+    try:
+        (ours,) = image_windows(tiny_vlm, ckpt, [window], 48, None, torch.float32)
+    finally:
+        ckpt.close()
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    inputs = processor(text=[image_prompt(processor)], images=[load_images(None, 1)],
+                       return_tensors="pt", do_image_splitting=False)
+    n = inputs["input_ids"].shape[1]
+    assert ours.shape == (48, 128) and (inputs["input_ids"] == 49153).sum() == 4
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    seen = {}
+    hook = model.model.text_model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([window[: 48 - n]])], dim=1)
+    model(input_ids=ids, pixel_values=inputs["pixel_values"],
+          pixel_attention_mask=inputs["pixel_attention_mask"])
+    hook.remove()
+    assert torch.equal(ours, seen["embeds"][0])
+
+
+def test_image_calibration_reaches_the_codes_and_is_stated(tiny_vlm, tmp_path):
+    """With ``--image-samples`` the image windows' activations enter the Hessians: the codes
+    differ from the text-only run's of the same windows and settings; the report, the card and
+    the summary say how the run calibrated."""
+    base = ["--samples", "8", "--seqlen", "48", "--no-smooth", "--no-eval"]
+    text = invoke(["gptq", tiny_vlm, tmp_path / "text", *base])
+    images = invoke(["gptq", tiny_vlm, tmp_path / "images", *base, "--image-samples", "4"])
+    assert text.exit_code == 0 and images.exit_code == 0, images.stderr
+    a, b = _tensors(tmp_path / "text"), _tensors(tmp_path / "images")
+    qweights = [n for n in a if n.endswith(".qweight")]
+    assert sum(not torch.equal(a[n], b[n]) for n in qweights) >= len(qweights) // 2
+    report = json.loads((tmp_path / "images" / "quantization_report.json").read_text())
+    assert report["vision_language"]["calibration"].startswith("with images: 4 of 8 windows")
+    assert report["calibration_tokens"] == 8 * 48
+    card = (tmp_path / "images" / "README.md").read_text()
+    assert "4 of the windows begin with an image (the built-in images)" in card
+    assert "calibration with images" in images.stderr + images.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--image-samples", "9", "--samples", "8"], "--image-samples 9 is more than --samples 8"),
+    (["--images", "IMAGES"], "--images applies with --image-samples"),
+    (["--image-samples", "2", "--images", "EMPTY"], "no .jpg, .jpeg, .png, .webp file"),
+    (["--image-samples", "-1"], "--image-samples must be >= 0"),
+])
+def test_image_calibration_refusals_are_one_line(tiny_vlm, tmp_path, args, needle):
+    (tmp_path / "EMPTY").mkdir()
+    args = [str(tmp_path / a) if a in ("EMPTY", "IMAGES") else a for a in args]
+    out = invoke(["gptq", tiny_vlm, tmp_path / "out", "--no-eval", *args])
+    assert out.exit_code != 0 and not out.traceback, out.stderr
+    assert len(out.error_lines) == 1 and needle in out.error_lines[0], out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_image_calibration_of_a_text_model_is_refused_in_one_line(demo_src, tmp_path):
+    out = invoke(["gptq", demo_src, tmp_path / "out", "--no-eval", "--image-samples", "2"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr
+    assert len(out.error_lines) == 1 and "vision-language models only" in out.error_lines[0]
+
+
 # -- GGUF: the language model's file and llama.cpp's projector file ------------------------------
 @pytest.fixture(scope="session")
 def tiny_vlm_formats(tiny_vlm: Path, tmp_path_factory) -> Path:

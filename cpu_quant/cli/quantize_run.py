@@ -207,6 +207,16 @@ def quantize_options(fn):
                      help="Tokens per calibration window."),
         click.option("--batch-size", type=int, default=DEFAULTS.batch_size, show_default=True,
                      help="Calibration windows per forward pass (memory vs speed)."),
+        click.option("--image-samples", type=int, default=DEFAULTS.image_samples,
+                     show_default=True,
+                     help="A vision-language model: the calibration windows that begin with "
+                          "an image (a user turn holding it and a request to describe it, laid "
+                          "out by the checkpoint's processor; its embeddings from the vision "
+                          "tower and projector), among --samples; 0 calibrates on text alone. "
+                          "See docs/families.md."),
+        click.option("--images", default=None,
+                     help="Directory of .jpg/.png/.webp images for --image-samples [default: "
+                          "the built-in set of 16 public-domain and CC0 pictures]."),
         click.option("--offload-activations", is_flag=True,
                      help="Keep the calibration activations on disk between layers (in the "
                           "staging directory) and let glibc map blocks of 4 MiB and more on "
@@ -295,7 +305,7 @@ def _settings_from(opts: dict, symmetric: bool) -> QuantSettings:
         samples=opts["samples"], seqlen=opts["seqlen"], batch_size=opts["batch_size"],
         offload_activations=opts["offload_activations"], symmetric=symmetric,
         positive_scales=opts["positive_scales"], w4a8_hessians=opts["w4a8_hessians"],
-        smooth=opts["smooth"])
+        smooth=opts["smooth"], image_samples=opts["image_samples"], images=opts["images"])
 
 
 def run_quantize_command(src: str | None, dst: str | None, formats: list, symmetric: bool,

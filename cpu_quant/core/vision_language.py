@@ -5,8 +5,9 @@ tower through a projector. cpu-quant quantizes the language model's linears and 
 a decoder-only model's; the vision tower and the projector stay bf16, copied unchanged, for the
 reasons of :data:`TOWER_WHY` and :data:`PROJECTOR_WHY`.
 
-Calibration is image-free: the calibration text runs through the language model alone, the
-vision tower and the projector never run (:data:`CALIBRATION`).
+Calibration is image-free by default: the calibration text runs through the language model
+alone, the vision tower and the projector never run (:data:`CALIBRATION`); with images
+(``--image-samples``) some windows begin with an image (``quantize.image_calibration``).
 
 One row per family (:data:`FAMILIES`), kept as data: its ``model_type``, the transformers auto
 class that builds it, where its language model's decoder layers are, and the checkpoint-name

@@ -51,7 +51,8 @@ from ..core.memory import (
     release_free_heap,
 )
 from ..core.naming import HEAD_NAME
-from ..core.vision_language import CALIBRATION, family_of, refuse_vision_language
+from ..core.vision_language import family_of, refuse_vision_language
+from ..data.images import image_files
 from ..data.mix import Calibration, load_calibration
 from ..formats import DEFAULT_FORMAT, ArtifactInfo, Format, combined_limits, get_format
 from ..formats.base import Limits, SinkSet
@@ -62,6 +63,7 @@ from .distributed import NoSinks, RankLost, Team
 from .experts import has_experts
 from .gptq import GridSpec
 from .hessians import HessianAccumulator, gram, w4a8_gram
+from .image_calibration import calibration_note, image_windows
 from .plan import (
     LinearPlan,
     check_group,
@@ -92,18 +94,35 @@ from .schedule import QuantJob, quantize_linears
 from .sequential import BatchStore, probe, run_true_sequential, signature
 from .settings import QuantReport, QuantSettings, TensorReport
 from .signals import StopRequest, kill_point
-from .streaming import LayerStream
+from .streaming import LayerStream, compute_dtype
 
 CACHE_DIR = "layer-cache"  # sequential.BatchStore files within a layer (offloaded runs)
 
 
-def calibration_batches(src: Path, settings: QuantSettings, calibration: Calibration
-                        ) -> list[torch.Tensor]:
-    """The calibration token windows of ``--calib`` (``data.mix.Calibration``), in batches."""
+def calibration_batches(src: Path, settings: QuantSettings, calibration: Calibration,
+                        ckpt=None) -> list[torch.Tensor]:
+    """The calibration token windows of ``--calib`` (``data.mix.Calibration``), in batches of
+    token ids; with ``--image-samples N`` (a vision-language model, ``ckpt`` its checkpoint)
+    the first N windows begin with an image and are batches of input embeddings
+    (``image_calibration``), spread evenly among the others."""
     tok = load_tokenizer(src)
     windows = calibration.windows(tok, settings.samples, settings.seqlen)
-    ids = torch.tensor(windows, dtype=torch.long)
-    return list(torch.split(ids, settings.batch_size))
+    n = settings.image_samples
+    text = (list(torch.split(torch.tensor(windows[n:], dtype=torch.long), settings.batch_size))
+            if len(windows) > n else [])
+    if not n:
+        return text
+    embeds = image_windows(src, ckpt, windows[:n], settings.seqlen, settings.images,
+                           compute_dtype())
+    images = list(torch.split(torch.stack(embeds), settings.batch_size))
+    order = sorted([((k + 0.5) / len(text), 0, k) for k in range(len(text))]
+                   + [((j + 0.5) / len(images), 1, j) for j in range(len(images))])
+    return [text[i] if kind == 0 else images[i] for _, kind, i in order]
+
+
+def batch_tokens(batch: torch.Tensor) -> int:
+    """The tokens of a calibration batch: token ids [B, T], or input embeddings [B, T, D]."""
+    return batch.shape[0] * batch.shape[1]
 
 
 def check_source(ckpt, settings: QuantSettings) -> None:
@@ -415,6 +434,8 @@ class QuantizationRun:
         self.mmap_pinned = pin_mmap_threshold(self.threshold)
         # a bad --calib file is refused before the model is read
         self.calibration = None if settings.data_free else load_calibration(settings.calib)
+        if settings.image_samples:  # so is a --images directory without images
+            image_files(settings.images)
         ckpt = open_checkpoint(self.src)
         for fmt in self.formats:
             why = fmt.refuse_source(ckpt.config)
@@ -439,15 +460,20 @@ class QuantizationRun:
         self.layer_plans, self.head_plan, self.embed_plan = plan_model(
             self.stream, settings, self.limits, self.formats)
         family = family_of(ckpt.config)
+        if settings.image_samples and family is None:
+            ckpt.close()
+            raise CpuQuantError("--image-samples applies to vision-language models only; "
+                                f"{self.src} has no vision tower")
         self.kept = plan_kept(family, {n: ckpt.shape(n) for n in ckpt.names})
         self.vision_language = None if family is None else {
-            "family": family.name, "calibration": CALIBRATION,
+            "family": family.name, "calibration": calibration_note(settings),
             "kept": [asdict(k) for k in self.kept]}
 
     def calibrate(self) -> None:
         t_calib = time.perf_counter()
         self.batches = ([] if self.settings.data_free
-                        else calibration_batches(self.src, self.settings, self.calibration))
+                        else calibration_batches(self.src, self.settings, self.calibration,
+                                                 self.ckpt))
         self.calib_seconds = time.perf_counter() - t_calib
 
     def smooth(self) -> None:
@@ -478,7 +504,7 @@ class QuantizationRun:
                              provenance=provenance(self.src))
         report.provenance["malloc_mmap_threshold"] = (self.threshold if self.mmap_pinned
                                                       else env_mmap_threshold())
-        report.calibration_tokens = sum(b.numel() for b in self.batches)
+        report.calibration_tokens = sum(batch_tokens(b) for b in self.batches)
         report.smoothing = self.smoothing
         self.report = report
         self.team.agree_on_run(self.fingerprint)
@@ -611,7 +637,7 @@ class QuantizationRun:
         report.plan_notes += [f"{k.prefix}*: kept bf16, copied unchanged ({k.why})"
                               for k in self.kept]
         if self.vision_language is not None:
-            report.plan_notes.append(f"calibration {CALIBRATION}")
+            report.plan_notes.append(f"calibration {calibration_note(settings)}")
             report.vision_language = self.vision_language
         if self.smooth_note:
             report.plan_notes.append(self.smooth_note)

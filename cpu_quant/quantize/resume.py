@@ -195,6 +195,9 @@ def run_fingerprint(ckpt, settings: QuantSettings, layout_name: str, batches: li
     calibration = hashlib.sha256()
     for b in batches:
         calibration.update(str(tuple(b.shape)).encode())
+        if b.is_floating_point():  # an image window's input embeddings
+            calibration.update(str(b.dtype).encode())
+            b = b.view(torch.int16) if b.dtype == torch.bfloat16 else b
         calibration.update(b.numpy().tobytes())
     return {"source": source.hexdigest(),
             "settings": hashlib.sha256(settings_doc.encode()).hexdigest(),

@@ -40,6 +40,10 @@ class QuantSettings:
     # round-to-nearest fallback); None: the widest input of its linears (quantize/experts.py).
     # No command-line option: the moe benchmark sets it to compare the experts' methods.
     expert_min_tokens: int | None = None
+    # a vision-language model: the calibration windows that begin with an image
+    # (image_calibration.py), and the directory of the images (None: the built-in set)
+    image_samples: int = 0
+    images: str | None = None
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +58,15 @@ class QuantSettings:
             raise CpuQuantError("--positive-scales applies to the symmetric grid only")
         if self.expert_min_tokens is not None and self.expert_min_tokens < 0:
             raise CpuQuantError("expert_min_tokens must be >= 0")
+        if self.image_samples < 0:
+            raise CpuQuantError(f"--image-samples must be >= 0 (got {self.image_samples})")
+        if self.image_samples and self.data_free:
+            raise CpuQuantError("--image-samples needs calibration data (--calib none has none)")
+        if self.image_samples > self.samples:
+            raise CpuQuantError(f"--image-samples {self.image_samples} is more than --samples "
+                                f"{self.samples} (the image windows are among the samples)")
+        if self.images is not None and not self.image_samples:
+            raise CpuQuantError("--images applies with --image-samples N (N > 0)")
         if not 0 < self.damp <= 1:
             raise CpuQuantError("--damp must be in (0, 1]")
         for flag, value, least in (("--samples", self.samples, 1), ("--seqlen", self.seqlen, 2),

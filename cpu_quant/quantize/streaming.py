@@ -174,7 +174,10 @@ class LayerStream:
         try:
             for ids in batches:
                 try:
-                    self.calibrated(input_ids=ids, use_cache=False)
+                    if ids.is_floating_point():  # an image window's input embeddings
+                        self.calibrated(inputs_embeds=ids.to(self.compute), use_cache=False)
+                    else:
+                        self.calibrated(input_ids=ids, use_cache=False)
                 except _StopForward:
                     pass
                 hidden.append(sinks[0][-1][0].to(STORAGE_DTYPE))
