@@ -334,10 +334,10 @@ def test_verify_refuses_a_projector_file_missing_a_tensor_or_cut_short(tiny_vlm,
     """A projector file without the projector's weight, or truncated, is an error; and
     ``verify --source`` names a kept tensor changed in its last bit."""
     import gguf
-    import numpy as np
 
     from cpu_quant.verify.checks import verify_checkpoint
     from cpu_quant.verify.source import compare_with_source
+    from tests.helpers.gguf_edit import copy_without_tensor
 
     _, mmproj = _gguf_files(tiny_vlm_formats / "gguf")
     short = tmp_path / "short"
@@ -358,19 +358,7 @@ def test_verify_refuses_a_projector_file_missing_a_tensor_or_cut_short(tiny_vlm,
 
     renamed = tmp_path / "renamed"
     shutil.copytree(tiny_vlm_formats / "gguf", renamed)
-    w = gguf.GGUFWriter(renamed / mmproj.name, "clip")
-    reader = gguf.GGUFReader(mmproj)
-    for k, f in reader.fields.items():
-        if not k.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1
-                            else None)
-    for t in reader.tensors:
-        if t.name != "mm.model.fc.weight":
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_without_tensor(mmproj, renamed / mmproj.name, "mm.model.fc.weight")
     errors = [f for f in verify_checkpoint(renamed).findings if f.severity == "error"]
     assert [(f.check, f.tensor) for f in errors] == [("mmproj-tensor", "mm.model.fc.weight")]
 

@@ -24,6 +24,7 @@ from cpu_quant.formats.gguf import q4_0 as gguf_q4_0
 from cpu_quant.formats.gguf import reader as gguf_reader
 from cpu_quant.formats.gguf import sink as gguf_sink
 from cpu_quant.models.tiny import make_tiny_model
+from tests.helpers.gguf_edit import copy_without_tensor
 from tests.helpers.gguf_rtn import feed, info_for, rtn_results, write_gguf
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -200,20 +201,7 @@ def test_flipped_magic_is_refused(tiny_files, tmp_path: Path) -> None:
 
 def test_missing_tensor_is_refused(tiny_files, tmp_path: Path) -> None:
     src, _, cfg = tiny_files["qwen3"]
-    reader = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(tmp_path / "cut.gguf", "qwen3")
-    for field in reader.fields.values():  # copy the metadata, drop one tensor
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        w.add_key_value(field.name, field.contents(), field.types[0],
-                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        if t.name != "blk.1.attn_k_norm.weight":
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    copy_without_tensor(src, tmp_path / "cut.gguf", "blk.1.attn_k_norm.weight")
     assert "gguf-tensor: blk.1.attn_k_norm.weight: missing" in _errors(tmp_path / "cut.gguf", cfg)
 
 
