@@ -253,13 +253,31 @@ def test_image_calibration_reaches_the_codes_and_is_stated(tiny_vlm, tmp_path):
     (["--images", "IMAGES"], "--images applies with --image-samples"),
     (["--image-samples", "2", "--images", "EMPTY"], "no .jpg, .jpeg, .png, .webp file"),
     (["--image-samples", "-1"], "--image-samples must be >= 0"),
+    (["--image-samples", "2", "--images", "MISSING"], "MISSING: not a directory"),
+    (["--image-samples", "2", "--images", "BAD"], "bad.jpg is not a readable image"),
 ])
 def test_image_calibration_refusals_are_one_line(tiny_vlm, tmp_path, args, needle):
     (tmp_path / "EMPTY").mkdir()
-    args = [str(tmp_path / a) if a in ("EMPTY", "IMAGES") else a for a in args]
+    (tmp_path / "BAD").mkdir()
+    (tmp_path / "BAD" / "bad.jpg").write_text("not an image")
+    args = [str(tmp_path / a) if a in ("EMPTY", "IMAGES", "MISSING", "BAD") else a
+            for a in args]
     out = invoke(["gptq", tiny_vlm, tmp_path / "out", "--no-eval", *args])
     assert out.exit_code != 0 and not out.traceback, out.stderr
     assert len(out.error_lines) == 1 and needle in out.error_lines[0], out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_image_calibration_without_the_processors_config_is_refused_in_one_line(tiny_vlm,
+                                                                                   tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_vlm, src)
+    (src / "processor_config.json").unlink()
+    out = invoke(["gptq", src, tmp_path / "out", "--no-eval", "--samples", "4", "--seqlen",
+                  "48", "--image-samples", "2"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr
+    assert len(out.error_lines) == 1, out.stderr
+    assert "the checkpoint's processor cannot be built here" in out.error_lines[0]
     assert not (tmp_path / "out").exists()
 
 
