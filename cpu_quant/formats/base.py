@@ -204,6 +204,13 @@ class Format:
         dequantized to float32 ``[N, K]`` (``verify --source``)."""
         raise CpuQuantError(f"verify --source cannot read {self.name} artifacts")
 
+    def ties_head(self, source_config: dict) -> bool:
+        """Whether this format stores a tied source's quantized head as its token embedding
+        too: one tensor, as llama.cpp's own files of a tied model hold. The embedding is then
+        not quantized on its own, and the head takes no smoothing fold (a fold scales the
+        head's columns, which the embedding's lookups would return)."""
+        return False
+
     def kept_tensors(self, path: Path, source_config: dict,
                      names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """For each source tensor name in ``names`` that a run keeps unquantized (a

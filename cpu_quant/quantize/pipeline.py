@@ -331,6 +331,9 @@ def plan_model(stream: LayerStream, settings: QuantSettings, limits: Limits,
                           own, cfg, calibrated)
     embedding = embedding_plan(stream.embedding_weight_name().removesuffix(".weight"),
                                hidden_size, vocab, own, cfg, calibrated)
+    if own is not None and head.quantize and own.ties_head(cfg):
+        embedding = LinearPlan(embedding.name, hidden_size, vocab, False, -1,
+                               "the quantized head is the embedding too (one tied tensor)")
     return layers, head, embedding
 
 
@@ -459,6 +462,8 @@ class QuantizationRun:
         self.stream = LayerStream(ckpt)
         self.layer_plans, self.head_plan, self.embed_plan = plan_model(
             self.stream, settings, self.limits, self.formats)
+        # a format writing the quantized head as the embedding too: no fold into the head
+        self.head_tied = any(f.ties_head(ckpt.config) for f in self.formats)
         family = family_of(ckpt.config)
         if settings.image_samples and family is None:
             ckpt.close()
@@ -489,7 +494,8 @@ class QuantizationRun:
         stats = self.batches[:smooth_fold.STATS_BATCHES]
         folds, factors, choices = smooth_fold.plan_smoothing(
             LayerStream(self.ckpt), stats, groups.__getitem__,
-            smoothing_factors.HEAD if head_plan.quantize else None, self.progress, self.team)
+            smoothing_factors.HEAD if head_plan.quantize and not self.head_tied else None,
+            self.progress, self.team)
         self.ckpt = smoothing_factors.SmoothedCheckpoint(self.ckpt, folds, factors)
         self.stream = LayerStream(self.ckpt)
         # the statistics pass's model and the unfolded stream's sit in reference cycles: free

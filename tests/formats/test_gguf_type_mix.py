@@ -243,8 +243,12 @@ def test_a_non_finite_block_scale_is_refused(k_model: Path, tmp_path: Path, one_
 @pytest.mark.e2e
 def test_a_calibrated_run_writes_every_tensor_on_its_type(tiny_llama: Path, tmp_path: Path) -> None:
     """``cpu-quant gptq --format gguf:q4_k_m`` on the tiny model (tied head, K = 64 and 128:
-    the mix falls back to Q5_0 and Q8_0): the plan gives every tensor its type, the head and
-    the embedding included, and every tensor reads back through gguf-py as our unpack does."""
+    the mix falls back to Q5_0 and Q8_0): the plan gives every tensor its type, and every
+    tensor reads back through gguf-py as our unpack does. The file is tied, as llama.cpp's own
+    of a tied model: one ``token_embd`` on the type llama.cpp gives it, which is the
+    GPTQ-quantized head (no ``output``, no embedding quantized apart, no smoothing fold into
+    the head)."""
+    from cpu_quant.core.smoothing_factors import load_factors
     from tests.conftest import run_cli
 
     dst = tmp_path / "out"
@@ -254,8 +258,11 @@ def test_a_calibrated_run_writes_every_tensor_on_its_type(tiny_llama: Path, tmp_
     path = dst / f"{tiny_llama.name}-Q4_K_M.gguf"
     cfg = json.loads((tiny_llama / "config.json").read_text())
     modules = gguf_reader._hf_module_names(arch_spec(cfg), cfg["num_hidden_layers"])
-    modules["token_embd.weight"] = "model.embed_tokens"
     back = gguf_reader.unpack(path)
+    modules["token_embd.weight"] = "lm_head"  # the head, as the tied embedding
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    assert fmt.tensor_type("lm_head", cfg["hidden_size"], cfg, True) == fmt.tensor_type(
+        "model.embed_tokens", cfg["hidden_size"], cfg, True)
     seen = Counter()
     for t in gguf.GGUFReader(path).tensors:
         if t.name not in modules:
@@ -268,12 +275,15 @@ def test_a_calibrated_run_writes_every_tensor_on_its_type(tiny_llama: Path, tmp_
             ours = back[modules[t.name]].dequantize()
             assert torch.equal(theirs.view(torch.int32), ours.view(torch.int32)), t.name
     n = cfg["num_hidden_layers"]
-    assert sum(seen.values()) == 7 * n + 2  # the linears, the head and the embedding
-    assert set(seen) == {"Q5_0", "Q8_0"}
+    assert sum(seen.values()) == 7 * n + 1  # the linears, and the head as the embedding
+    assert set(seen) == {"Q5_0", "Q8_0"} and "lm_head" in back
     assert [f for f in gguf_reader.verify(path, cfg) if f.severity == "error"] == []
     report = json.loads((dst / f"{tiny_llama.name}-Q4_K_M.quantization_report.json").read_text())
     groups = {t["name"]: t["group_size"] for t in report["tensors"]}
-    assert groups["lm_head"] == 32 and groups["model.embed_tokens"] == 32
+    assert groups["lm_head"] == 32 and "model.embed_tokens" not in groups
+    factors = load_factors(dst)
+    # a fold into the head divides the final norm (the key); a Q4_0 run of this model has it
+    assert factors is not None and "model.norm.weight" not in factors, sorted(factors)
 
 
 # -- e2e: the demo model in real llama.cpp ---------------------------------------------------------

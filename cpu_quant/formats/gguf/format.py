@@ -20,7 +20,15 @@ from .architectures import arch_spec
 from .block_types import QUANT_TYPES
 from .mix import IQ4_NL, Q4_K_M, Q4_K_S, FileType, TensorFacts, chosen_type
 from .q4_0 import BLOCK, pack_q4_0, unpack_q4_0
-from .reader import _open, gguf_file_in, inspect, quantized_types, unpack, verify
+from .reader import (
+    _open,
+    gguf_file_in,
+    head_is_token_embd,
+    inspect,
+    quantized_types,
+    unpack,
+    verify,
+)
 from .sink import GGUFSink
 from .vision import (
     inspect_mmproj,
@@ -95,8 +103,10 @@ class GGUFFormat(Format, name="gguf"):
 
     def verify_artifact(self, path: Path) -> tuple[list[Finding], int]:
         file = gguf_file_in(Path(path))
-        quantized = sum(t.tensor_type in quantized_types() and t.name != "token_embd.weight"
-                        for t in _open(file).tensors)  # the linears and the head
+        reader = _open(file)
+        quantized = sum(t.tensor_type in quantized_types() and (
+            t.name != "token_embd.weight" or head_is_token_embd(reader))
+            for t in reader.tensors)  # the linears and the head
         mmproj = mmproj_file_in(file.parent)
         return verify(file) + (verify_mmproj(mmproj) if mmproj else []), quantized
 
@@ -146,6 +156,11 @@ class GGUFTypeMixFormat(GGUFFormat):
                                             "here (llama.cpp's ffn_*_exps rules are not "
                                             "ported); write --format gguf (Q4_0)")
         return why or super().refuse_source(source_config)
+
+    def ties_head(self, source_config: dict) -> bool:
+        """A tied source's file is tied, as ``llama-quantize``'s: the GPTQ-quantized head, on
+        the type llama.cpp gives a tied ``token_embd``, is the one ``token_embd``."""
+        return bool(language_config(source_config).get("tie_word_embeddings", False))
 
     def tensor_type(self, module: str, in_features: int, source_config: dict,
                     calibrated: bool) -> gguf.GGMLQuantizationType:

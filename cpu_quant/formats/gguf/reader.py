@@ -93,6 +93,8 @@ def unpack(path: Path) -> dict[str, GroupQuant | BlockQuant]:
     reader = _open(Path(path))
     spec, cfg = _reader_config(reader)
     modules = _hf_module_names(spec, cfg["num_hidden_layers"])
+    if head_is_token_embd(reader):
+        modules["token_embd.weight"] = "lm_head"
     experts = expert_modules(gguf.get_tensor_name_map(spec.arch, cfg["num_hidden_layers"]),
                              cfg["num_hidden_layers"])
     out = {}
@@ -112,6 +114,13 @@ def unpack(path: Path) -> dict[str, GroupQuant | BlockQuant]:
         out = {prefix + m.removeprefix("model.") if m.startswith("model.") else m: gq
                for m, gq in out.items()}
     return out
+
+
+def head_is_token_embd(reader: gguf.GGUFReader) -> bool:
+    """A tied file whose one ``token_embd`` is the quantized head (a llama.cpp file type
+    written from a tied source): the head quantized, and no ``output`` tensor."""
+    return bool(_field_value(reader, "cpu_quant.head_quantized")) and not any(
+        t.name == "output.weight" for t in reader.tensors)
 
 
 def expected_tensors(spec: ArchSpec, cfg: dict, head_in_file: bool) -> dict[str, tuple[int, ...]]:

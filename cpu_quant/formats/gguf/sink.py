@@ -157,6 +157,8 @@ class GGUFSink(Sink):
         lm_cfg = language_config(cfg)
         names = gguf.get_tensor_name_map(spec.arch, int(lm_cfg["num_hidden_layers"]))
         tied = bool(lm_cfg.get("tie_word_embeddings", False))
+        # the format's tied file: the quantized head is token_embd, the embedding not written
+        head_is_embd = self.fmt.ties_head(cfg) and self.kinds.get("lm_head") in QUANTIZED_KINDS
         entries, kept = [], []
         stacks: dict[str, dict[int, tuple[str, str, Path]]] = {}  # experts.py
         for part in self.parts:
@@ -177,10 +179,14 @@ class GGUFSink(Sink):
                 quantized = kind in QUANTIZED_KINDS
                 if lm == "lm_head.weight" and not quantized and (tied or not spec.head_tensor):
                     continue  # llama.cpp reads token_embd as the head
-                if lm == "lm_head" and not spec.head_tensor:
+                if head_is_embd and kind == "embedding":
+                    continue  # the head's tensor stands for it
+                if lm == "lm_head" and not spec.head_tensor and not head_is_embd:
                     raise CpuQuantError(f"gguf: {spec.name} has no output tensor; do not quantize its head")
                 lookup = lm + ".weight" if quantized else lm
                 gname = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
+                if lm == "lm_head" and head_is_embd:
+                    gname = "token_embd.weight"
                 if gname is None:
                     raise CpuQuantError(f"gguf: {hf} has no {spec.name} tensor name in llama.cpp")
                 entries.append(_Entry(gname, hf, path, kind))
