@@ -381,6 +381,20 @@ def test_verify_refuses_a_projector_file_missing_a_tensor_or_cut_short(tiny_vlm,
     assert [(f.check, f.tensor) for f in errors] == [("mmproj-tensor", "mm.model.fc.weight")]
 
 
+def test_gguf_without_the_image_processors_settings_is_refused_before_work(tiny_vlm, tmp_path):
+    """The projector file needs the image processor's mean and std: a checkpoint without its
+    processor config is refused in one line before any work, nothing written."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_vlm, src)
+    (src / "processor_config.json").unlink()
+    out = invoke(["gptq", src, tmp_path / "out", "--format", "gguf", "--no-eval"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr
+    assert len(out.error_lines) == 1, out.stderr
+    assert "--format gguf:" in out.error_lines[0] and "image_mean" in out.error_lines[0]
+    assert "layers" not in out.stderr  # refused before the first layer
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_projector_file_is_llama_cpps_converters(tiny_vlm, tiny_vlm_formats, tmp_path):
     """Against llama.cpp's own converter (``convert_hf_to_gguf.py --mmproj --outtype bf16``
     of the same source, from the llama-cpp-python source the peer build holds): the same

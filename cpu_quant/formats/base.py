@@ -218,6 +218,11 @@ class Format:
         this format stores it, or None where it lacks it (``verify --source``)."""
         yield from ()
 
+    def refuse_source_files(self, source: Path, source_config: dict) -> str | None:
+        """Why the files of the source directory (beside its weights) cannot give this format
+        what it writes, or None; checked before any work, as :meth:`refuse_source`."""
+        return None
+
     def refuse_source(self, source_config: dict) -> str | None:
         """Why a model with this config.json cannot be written in this format, or None
         (checked before any work)."""

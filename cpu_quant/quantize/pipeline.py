@@ -441,7 +441,8 @@ class QuantizationRun:
             image_files(settings.images)
         ckpt = open_checkpoint(self.src)
         for fmt in self.formats:
-            why = fmt.refuse_source(ckpt.config)
+            why = fmt.refuse_source(ckpt.config) or fmt.refuse_source_files(self.src,
+                                                                               ckpt.config)
             if why:
                 ckpt.close()
                 raise CpuQuantError(f"--format {fmt.name}: {why}")

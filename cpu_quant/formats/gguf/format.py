@@ -36,8 +36,10 @@ from .vision import (
     language_name,
     mmproj_file_in,
     mmproj_tensors,
+    processor_config,
     refuse_vision,
     verify_mmproj,
+    vision_gguf,
 )
 
 # On a CPU with AMX, llama.cpp (the vendored 0.3.36 build and upstream alike; llama.cpp #20824,
@@ -93,6 +95,16 @@ class GGUFFormat(Format, name="gguf"):
             arch_spec(language_config(source_config))
         except CpuQuantError as e:
             return str(e)
+        return None
+
+    def refuse_source_files(self, source: Path, source_config: dict) -> str | None:
+        """A vision-language model's projector file needs its image processor's settings."""
+        if vision_gguf(source_config) is None:
+            return None
+        try:
+            processor_config(source)
+        except CpuQuantError as e:
+            return str(e).removeprefix("gguf: ")
         return None
 
     def open_sink(self, directory: Path, n_layers: int, resume_state: dict | None) -> GGUFSink:

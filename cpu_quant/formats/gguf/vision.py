@@ -129,7 +129,7 @@ def mmproj_file_name(model: str, dtype: gguf.GGMLQuantizationType) -> str:
     return f"{MMPROJ_PREFIX}{model}-{dtype.name}.gguf"
 
 
-def _processor_config(source: Path) -> dict:
+def processor_config(source: Path) -> dict:
     """The image processor's settings as the converter merges them: preprocessor_config.json,
     then processor_config.json's ``image_processor``."""
     out: dict = {}
@@ -172,7 +172,7 @@ def write_mmproj(path: Path, cfg: dict, source: Path, model: str,
     spec = vision_gguf(cfg)
     assert spec is not None
     vision = cfg["vision_config"]
-    processor = _processor_config(source)
+    processor = processor_config(source)
     n_blocks = int(vision["num_hidden_layers"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, n_blocks)
     entries = []  # (GGUF name, checkpoint name, part, stored type); streamed, not held
