@@ -534,6 +534,46 @@ def test_8da4w_program_holds_the_gptq_sinks_codes(xnnpack_8da4w, tiny_gptq: Path
     assert v["passed"] and v["perplexity_ratio"] <= FLOAT_FLOORS["8da4w"].max_ppl_ratio
 
 
+@pytest.mark.slow  # a tiny GPTQ run and lowering
+def test_head_bits_8_is_the_8da8w_output_layer(peaked_llama: Path, tmp_path: Path) -> None:
+    """``--head-bits 8`` (ExecuTorch's Llama-3.2 recipe: 8da4w linears, an 8da8w output layer):
+    the GPTQ run leaves the head out (``--no-lm-head``), and the program stores it at 8 bits
+    per output channel from the weighted search, read back from model.pte; every other linear
+    keeps its 4-bit GPTQ codes, and the report says why the head is 8-bit."""
+    from cpu_quant.export import readback
+
+    out = tmp_path / "xnn-8da4w-h8"
+    report = run_export(peaked_llama, out, small_settings(backend="xnnpack", scheme="8da4w",
+                                                          head_bits=8), progress=False)
+    stored = readback.xnnpack_weights(out / "model.pte")
+    assert sorted(w.bits for w in stored) == [4] * 14 + [8]
+    assert report["weights"]["linears"] == {"int4 group 32 (gptq)": 14,
+                                            "int8 per channel (weighted search)": 1}
+    assert report["weights"]["notes"] == [
+        "lm_head: not quantized to 4 bits by the GPTQ run (--head-bits 8: left out of the GPTQ "
+        "run); stored at 8 bits per output channel"]
+    source = report["weights"]["source"]
+    assert not source["gptq_run"]["quantize_head"] and "--no-lm-head" in source["command"]
+    assert report["settings"]["head_bits"] == 8
+    assert report["calibration"]["samples"] > 0  # the head's scale search is weighted
+    assert report["verification"]["passed"]
+
+
+def test_head_bits_reach_the_gptq_run_as_the_command_would() -> None:
+    """The recorded command with ``--no-lm-head`` parses to the run's settings."""
+    from cpu_quant.cli.gptq import gptq
+    from cpu_quant.cli.quantize_run import _settings_from
+    from cpu_quant.export.pipeline import gptq_command
+
+    settings = small_settings(backend="xnnpack", scheme="8da4w", head_bits=8)
+    settings.validate()
+    argv = gptq_command(settings)
+    assert "--no-lm-head" in argv and not settings.gptq_settings().quantize_head
+    opts = gptq.make_context("gptq", argv[2:]).params
+    assert _settings_from(opts, symmetric=True) == settings.gptq_settings()
+    assert "--no-lm-head" not in gptq_command(small_settings(backend="xnnpack", scheme="8da4w"))
+
+
 # -- QNN w8a16 ------------------------------------------------------------------------------
 
 def test_qnn_w8a16_writes_calibrated_program_and_portable_pte(qnn_w8a16) -> None:
@@ -827,6 +867,21 @@ def test_quantized_is_refused_where_it_does_not_apply(peaked_llama: Path, tmp_pa
             line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
                                *extra, smooth, *SMALL_CLI])
             assert "--smooth applies to the GPTQ run of 8da4w and 16a4w" in line, (extra, smooth)
+    # --head-bits: the 4-bit schemes' own GPTQ run only
+    line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
+                       "--scheme", "8da8w", "--head-bits", "8", *SMALL_CLI])
+    assert "--head-bits applies to 8da4w and 16a4w; --scheme 8da8w" in line
+    line = _cli_error([str(peaked_llama), str(tmp_path / "o"), "--backend", "xnnpack",
+                       "--scheme", "8da4w", "--quantized", str(tmp_path), "--head-bits", "8",
+                       *SMALL_CLI])
+    assert "an artifact brings its own head: quantize it with --no-lm-head" in line
+    from cpu_quant.cli.group import main as cli  # the group: a usage error in one line
+
+    result = CliRunner().invoke(cli, ["export-phone", str(peaked_llama), str(tmp_path / "o"),
+                                      "--backend", "xnnpack", "--scheme", "8da4w",
+                                      "--head-bits", "6", *SMALL_CLI])
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "--head-bits" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
 
 

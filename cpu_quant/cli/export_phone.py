@@ -103,6 +103,10 @@ def print_summary(report: dict, out: str) -> None:
               help="8da4w: the group of the GPTQ run made here, 32, 64 or 128 (a linear it "
                    "does not divide takes the largest smaller one that does, else 8-bit "
                    "weights; reported). With --quantized, the artifact's groups.")
+@click.option("--head-bits", type=click.Choice(["4", "8"]), default="4", show_default=True,
+              help="8da4w/16a4w without --quantized: the output head as GPTQ's 4-bit codes (4), "
+                   "or left out of the GPTQ run and stored at 8 bits per output channel (8; "
+                   "with 8da4w, the 8da8w output layer of ExecuTorch's Llama-3.2 recipe).")
 @click.option("--soc", default=DEFAULT_SOC, show_default=True,
               help="Qualcomm SoC for the HTP lowering (used only with QNN_SDK_ROOT).")
 @overwrite_option
@@ -111,7 +115,7 @@ def print_summary(report: dict, out: str) -> None:
 def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized: str | None,
                  max_seq_len: int, prefill_len: int, calib: str | None, calib_samples: int,
                  gptq_samples: int, gptq_seqlen: int, gptq_smooth: bool | None, group_size: int,
-                 soc: str, overwrite: bool, **opts) -> None:
+                 head_bits: str, soc: str, overwrite: bool, **opts) -> None:
     """Export SRC (a Hugging Face Llama-family checkpoint) to a verified ExecuTorch program in OUT.
 
     Nothing is written to OUT unless the program, run by ExecuTorch's runtime on held-out text,
@@ -122,7 +126,7 @@ def export_phone(src: str, out: str, backend: str, scheme: str | None, quantized
         backend=backend, scheme=scheme, max_seq_len=max_seq_len, prefill_len=prefill_len,
         calib=calib, calib_samples=calib_samples, group_size=group_size, soc=soc,
         quantized=quantized, gptq_samples=gptq_samples, gptq_seqlen=gptq_seqlen,
-        gptq_smooth=gptq_smooth)
+        gptq_smooth=gptq_smooth, head_bits=int(head_bits))
     conv = RunConventions.take(opts)
     with stdout_for_json(conv.as_json) as emit:
         report = run_export_phone(src, out, settings, overwrite=overwrite, progress=conv.progress)

@@ -67,7 +67,8 @@ OVERLAP_NGRAM = 24
 SETTING_NAMES = {"prefill_len": "--prefill-len", "calib_samples": "--calib-samples",
                  "max_seq_len": "--max-seq-len", "group_size": "--group",
                  "gptq_samples": "--samples", "gptq_seqlen": "--seqlen",
-                 "gptq_smooth": "--smooth"}
+                 "gptq_smooth": "--smooth", "head_bits": "--head-bits"}
+HEAD_BITS = (4, 8)  # the head of the 4-bit schemes: GPTQ's 4-bit codes, or 8 bits per channel
 
 
 @dataclass
@@ -87,6 +88,10 @@ class PhoneExportSettings:
     # the GPTQ run folds activation smoothing into the weights first (gptq --smooth); None:
     # the scheme's default, on for 8da4w (int8 activations), off for 16a4w (16-bit ones)
     gptq_smooth: bool | None = None
+    # the head of the 4-bit schemes: 4 (GPTQ codes, like every other linear) or 8 (left out of
+    # the GPTQ run and stored at 8 bits per output channel by the weighted search: with
+    # 8da4w's int8 activations, the 8da8w output layer of ExecuTorch's Llama-3.2 recipe)
+    head_bits: int = 4
     verify_windows: int = 4
     verify_len: int = 128  # capped at max_seq_len
     gen_tokens: int = 16
@@ -111,6 +116,15 @@ class PhoneExportSettings:
         if self.gptq_smooth and not self.runs_gptq:
             raise CpuQuantError("--smooth applies to the GPTQ run of 8da4w and 16a4w "
                                 "without --quantized (an artifact brings its own folds)")
+        if self.head_bits not in HEAD_BITS:
+            raise CpuQuantError(f"--head-bits must be 4 or 8, got {self.head_bits}")
+        if self.head_bits != 4 and not self.runs_gptq:
+            raise CpuQuantError(
+                "--head-bits applies to the GPTQ run of 8da4w and 16a4w without --quantized "
+                "(an artifact brings its own head: quantize it with --no-lm-head for an 8-bit "
+                "one)" if self.quantized is not None else
+                f"--head-bits applies to {' and '.join(FOUR_BIT_SCHEMES)}; --scheme "
+                f"{self.resolved_scheme} stores the head like its other linears")
         if self.quantized is not None and not Path(self.quantized).is_dir():
             raise CpuQuantError(f"--quantized {self.quantized}: not a directory")
         if self.group_size not in PHONE_GROUPS:
@@ -145,7 +159,8 @@ class PhoneExportSettings:
         group = -1 if self.resolved_scheme == "16a4w" else self.group_size
         return QuantSettings(method="gptq", group_size=group, positive_scales=True,
                              calib=self.calib, samples=self.gptq_samples,
-                             seqlen=self.gptq_seqlen, smooth=self.smooths)
+                             seqlen=self.gptq_seqlen, smooth=self.smooths,
+                             quantize_head=self.head_bits == 4)
 
     def shape(self, model: StaticCausalLM) -> GraphShape:
         s = model.spec
@@ -359,6 +374,8 @@ def gptq_command(settings: PhoneExportSettings) -> list[str]:
     if gptq.positive_scales:
         argv.append("--positive-scales")
     argv.append("--smooth" if gptq.smooth else "--no-smooth")  # not the command's default
+    if not gptq.quantize_head:
+        argv.append("--no-lm-head")
     if gptq.calib is not None:
         argv += ["--calib", str(gptq.calib)]
     return argv
@@ -462,7 +479,9 @@ def decide_weights(src: Path, model: StaticCausalLM, shape: GraphShape,
             weights.source["smoothing_alpha"] = SMOOTHING_ALPHA if stats else None
         return weights
     importance = phone_weights.importance(stats)
-    weights = phone_weights.weights_from_gptq(model, results, importance, source)
+    reasons = ({"lm_head": "--head-bits 8: left out of the GPTQ run"}
+               if settings.runs_gptq and settings.head_bits == 8 else {})
+    weights = phone_weights.weights_from_gptq(model, results, importance, source, reasons)
     weights.source["needs_importance"] = needs_stats  # some linear takes 8-bit weights
     if scheme == "16a4w":
         grouped = [n for n, w in weights.linears.items() if w.bits == 4 and not w.per_channel]

@@ -173,16 +173,19 @@ def weights_8bit(model: nn.Module, importance: dict[str, torch.Tensor]) -> Phone
 
 
 def weights_from_gptq(model: nn.Module, results: dict[str, GroupQuant],
-                      importance: dict[str, torch.Tensor], source: dict) -> PhoneWeights:
-    """4-bit codes from a GPTQ result by static-graph name; the stated rule for the rest."""
+                      importance: dict[str, torch.Tensor], source: dict,
+                      reasons: dict[str, str] | None = None) -> PhoneWeights:
+    """4-bit codes from a GPTQ result by static-graph name; the stated rule for the rest
+    (``reasons``: why a linear is not in the result, where the export chose that)."""
     linears: dict[str, LinearWeights] = {}
     notes: list[str] = []
     for name, m in linear_modules(model).items():
         gq = results.get(name)
         if gq is None:
             linears[name] = int8_per_channel(m.weight.data, importance.get(name))
-            notes.append(f"{name}: not quantized to 4 bits by the GPTQ run (in-features "
-                         f"{m.in_features}); stored at 8 bits per output channel")
+            why = (reasons or {}).get(name, f"in-features {m.in_features}")
+            notes.append(f"{name}: not quantized to 4 bits by the GPTQ run ({why}); stored at "
+                         "8 bits per output channel")
             continue
         if tuple(gq.codes.shape) != (m.out_features, m.in_features):
             raise CpuQuantError(f"{name}: the quantized artifact has shape "
