@@ -197,8 +197,14 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
     # Python scalars for the indices and pivots, each group's scale prepared once when the
     # group changes (a zero scale becomes +inf, so its codes come out 0 without a mask), the
     # codes kept signed until the end, and the error written straight into its block row.
+    # Each group's scales (and zeros) are a contiguous row of a [groups, N] table, so taking a
+    # group's column is a view, not a gather; with static groups (act-order, whose column order
+    # visits the groups in no order) the zero-safe scales are prepared once for all groups.
     groups = group_of.tolist()
     pivots = torch.diagonal(hinv).tolist()
+    scales_t = scales.t().contiguous()
+    zeros_t = None if zeros is None else zeros.t().contiguous()
+    safe_t = scales_t.masked_fill(scales_t == 0, math.inf) if act_order else None
     current, s_col, z_col, safe = -1, None, None, None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
@@ -211,15 +217,15 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
             if not act_order and col % g == 0:
                 imp = importance[perm[col:col + g]].reshape(1, g)
                 s, z = fit_group(w1[i:i + g].t().contiguous().unsqueeze(1), imp.unsqueeze(0), grid)
-                scales[:, grp] = s.reshape(n)
-                if zeros is not None and z is not None:
-                    zeros[:, grp] = z.reshape(n)
+                scales_t[grp] = s.reshape(n)
+                if zeros_t is not None and z is not None:
+                    zeros_t[grp] = z.reshape(n)
                 current = -1
             if grp != current:
                 current = grp
-                s_col = scales[:, grp].contiguous()
-                z_col = None if zeros is None else zeros[:, grp].contiguous()
-                safe = s_col.masked_fill(s_col == 0, math.inf)
+                s_col = scales_t[grp]
+                z_col = None if zeros_t is None else zeros_t[grp]
+                safe = safe_t[grp] if safe_t is not None else s_col.masked_fill(s_col == 0, math.inf)
             wcol = w1[i]
             target = wcol if z_col is None else wcol - z_col
             a = torch.div(target, safe).round_().clamp_(QMIN - QZERO, QMAX - QZERO)
@@ -234,6 +240,8 @@ def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, gro
     codes = codes_t.t().add(QZERO).to(torch.uint8)
     inv = torch.argsort(perm)
     codes = codes[:, inv].contiguous()
+    scales = scales_t.t().contiguous()
+    zeros = None if zeros_t is None else zeros_t.t().contiguous()
     return GroupQuant(codes, scales, zeros, g), GPTQStats(used_damp, raised, prep.fallback)
 
 
