@@ -233,6 +233,10 @@ def test_a_linear_without_4bit_codes_gets_8bit_weights_and_a_note() -> None:
     assert len(pw.notes) == 1 and pw.notes[0].startswith("b: not quantized to 4 bits")
     err = (pw.linears["b"].dequantize() - model.b.weight).pow(2).sum()
     assert 10 * torch.log10(model.b.weight.pow(2).sum() / err) > 35  # 8 bits per channel
+    # where the export chose it (--head-bits 8), the note says why instead
+    pw = weights_from_gptq(model, {"a": gq}, {}, {}, {"b": "--head-bits 8: left out"})
+    assert pw.notes == ["b: not quantized to 4 bits by the GPTQ run (--head-bits 8: left out); "
+                        "stored at 8 bits per output channel"]
 
 
 def test_a_smoothed_gptq_artifact_folds_the_static_graph_like_its_checkpoint(tiny_llama: Path,
