@@ -275,10 +275,14 @@ def verify(scheme: str, shape: GraphShape, arms: dict[str, tuple[StepFn, StepFn]
            windows: list[list[int]], prompts: list[list[int]], prompt_texts: list[str],
            gen_tokens: int, decode_text: Callable[[list[int]], str],
            eos_token_id: int | None = None, progress: Callable[[], None] | None = None,
-           scored: dict[str, HeldoutScores] | None = None) -> VerifyResult:
+           scored: dict[str, HeldoutScores] | None = None,
+           float_greedy: list[list[int]] | None = None) -> VerifyResult:
     """Score ``windows`` and generate from ``prompts`` with the ``pte``, ``quantized`` and
-    ``float`` arms (``scored``: arms already scored on the same windows); apply both lines of
-    ``scheme``'s floors."""
+    ``float`` arms (``scored``: arms already scored on the same windows; ``float_greedy``: the
+    float arm's greedy tokens per prompt, made already, in place of a ``float`` arm); apply
+    both lines of ``scheme``'s floors."""
+    if ("float" in arms) == (float_greedy is not None):
+        raise ValueError("verify takes the float arm, or its scores and greedy tokens")
     scored = dict(scored or {})
     for name, fns in arms.items():
         if name not in scored:
@@ -292,9 +296,11 @@ def verify(scheme: str, shape: GraphShape, arms: dict[str, tuple[StepFn, StepFn]
     runners = {name: StaticKVRunner(shape, *fns) for name, fns in arms.items()}
     greedy = []
     decode_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for text, prompt in zip(prompt_texts, prompts, strict=False):
+    for i, (text, prompt) in enumerate(zip(prompt_texts, prompts, strict=False)):
         outs = {name: runner.generate(prompt, gen_tokens, eos_token_id)
                 for name, runner in runners.items()}
+        if float_greedy is not None:
+            outs["float"] = (float_greedy[i], [])
         (pte_tok, pte_logits), (q_tok, q_logits) = outs["pte"], outs["quantized"]
         same = _matching_prefix(pte_tok, q_tok)
         # Step i's logits come from identical inputs as long as tokens 0..i-1 matched.
