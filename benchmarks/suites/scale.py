@@ -238,10 +238,18 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
     import os
 
     kind = "smoke-" if smoke else ""
-    qpath = newest(results, f"scale-quantize-{kind}2*.json")
-    if qpath is None:
+    # per model, the newest committed file that measured it (a session measures some sizes)
+    files = sorted(results.glob(f"scale-quantize-{kind}2*.json"), key=lambda p: p.name,
+                   reverse=True)
+    if not files:
         return "Not measured yet: no result file of this suite is committed."
-    q = json.loads(qpath.read_text())
+    docs_of = {p: json.loads(p.read_text()) for p in files}
+
+    def measured(doc: dict, model: str) -> bool:
+        return all(any(r["arm"] == f"{part}-{model}" and r["ok"] for r in doc["records"])
+                   for part in ("gptq", "floor"))
+
+    source = {m: next((p for p in files if measured(docs_of[p], m)), None) for m in MODELS}
     link = lambda p: f"[{p.name}]({os.path.relpath(p, docs)})"  # noqa: E731
     lines = ["| model (random weights) | calibration tokens | quantize: wall (passes) | "
              "× compute floor: whole run; forward, Hessians, sweeps, smoothing | "
@@ -250,12 +258,18 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
              "|---|---|---|---|---|---|---|"]
     from cpu_quant.models.shapes import SHAPES
 
-    meta = _meta(q)
-    for model in meta["models"]:
+    used: list[Path] = []
+    for model in MODELS:
+        qpath = source[model]
+        if qpath is None:
+            lines.append(f"| {model} ({SHAPES[model].parameters() / 1e9:.2f} B) | "
+                         + " | ".join(["not measured"] * 6) + " |")
+            continue
+        if qpath not in used:
+            used.append(qpath)
+        q = docs_of[qpath]
         runs = [r for r in q["records"] if r["arm"] == f"gptq-{model}" and r["ok"]]
         floors = [r for r in q["records"] if r["arm"] == f"floor-{model}" and r["ok"]]
-        if not runs or not floors:
-            continue
         wall = _median([r["wall_seconds"] for r in runs])
         peak = _median([r["metrics"]["peak_rss_anon_bytes"] for r in runs])
         phases = {p: _median([r["extras"]["phase_seconds"].get(p, 0.0) for r in runs])
@@ -288,14 +302,14 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
             cells.append("not measured")
         cells.append("<br>".join(files))
         lines.append("| " + " | ".join(cells) + " |")
-    for model in MODELS:
-        if model not in meta["models"]:
-            lines.append(f"| {model} ({SHAPES[model].parameters() / 1e9:.2f} B) | "
-                         + " | ".join(["not measured"] * 6) + " |")
-    lines.append("")
-    partial = f" ({meta['partial']})" if meta["partial"] else ""
-    lines.append(f"Machine: {meta['cpu']}, {meta['cores']} cores; git {meta['sha'][:7]}{partial}. "
-                 f"Command: `python -m benchmarks run scale --arms {','.join(meta['models'])}`.")
-    if q.get("machine_note"):
-        lines.append(f"Note on this run: {q['machine_note']}.")
+    for qpath in used:
+        q = docs_of[qpath]
+        meta = _meta(q)
+        partial = f" ({meta['partial']})" if meta["partial"] else ""
+        lines.append("")
+        lines.append(f"{link(qpath)}: machine: {meta['cpu']} ({meta['isa']}), {meta['cores']} "
+                     f"cores; git {meta['sha'][:7]}{partial}. Command: `python -m benchmarks run scale "
+                     f"--arms {','.join(meta['models'])}`.")
+        if q.get("machine_note"):
+            lines.append(f"Note on this run: {q['machine_note']}.")
     return "\n".join(lines)
