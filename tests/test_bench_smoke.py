@@ -254,7 +254,7 @@ def test_scale_suite_smoke(tmp_path_factory):
     """The scale suite's quantize part on the tiny model: the floor arm measures every phase's
     floor and the memory bound, the quantization arm's report carries every phase's exclusive
     time, and the rendered table reads the result."""
-    from benchmarks.suites.scale import PHASES, render
+    from benchmarks.suites.scale import PHASES, current_bound, render
 
     tmp = tmp_path_factory.mktemp("scale")
     result = _run_smoke("scale", tmp, "--arms", "Llama-3.2-1B:quantize", result="scale-quantize")
@@ -268,6 +268,7 @@ def test_scale_suite_smoke(tmp_path_factory):
     memory = floor["extras"]["memory"]
     assert memory["bound_bytes"] == sum(memory["terms"][t] for t in ("runtime_floor", "activations")) \
         + max(memory["terms"]["layer"], memory["terms"]["head"])
+    assert current_bound("Llama-3.2-1B", floor) == memory["bound_bytes"]  # what the table shows
     assert set(run["extras"]["phase_seconds"]) >= {"calibration", "write", "final_write"}
     table = render(tmp / "results", tmp, smoke=True)
     assert "Llama-3.2-1B" in table and "×" in table

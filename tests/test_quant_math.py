@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from cpu_quant.core.errors import CpuQuantError
 from cpu_quant.core.grid import GroupQuant, quantize_codes, round_scale
-from cpu_quant.quantize.gptq import GridSpec, _damped_cholesky_inverse, quantize_gptq, quantize_rtn
+from cpu_quant.quantize.gptq import (
+    GridSpec,
+    _damped_cholesky,
+    _upper_inverse_factor,
+    quantize_gptq,
+    quantize_rtn,
+)
 from cpu_quant.quantize.scale_search import (
     absmax_scales,
     minmax_scales_zeros,
@@ -192,15 +198,17 @@ def test_damping_is_raised_when_cholesky_fails():
 
 
 def test_damped_inverse_factor_matches_float64_textbook_route():
-    """U from one Cholesky of the reversed matrix and a triangular solve equals the textbook
-    chol -> cholesky_inverse -> upper chol, computed in float64; the input is left untouched."""
+    """U from one Cholesky of the reversed matrix and a triangular inverse equals the textbook
+    chol -> cholesky_inverse -> upper chol, computed in float64; the damping is added to the
+    input's own diagonal and taken off again, so the input is left untouched."""
     gen = torch.Generator().manual_seed(5)
     for k, rows in ((96, 400), (200, 150)):  # the second is rank-deficient: damping carries it
         x = torch.randn(rows, k, generator=gen) * torch.linspace(0.1, 3.0, k)
         h = 2 * x.t() @ x / rows
-        before = h.clone()
-        u, used, raised = _damped_cholesky_inverse(h, 0.01)
-        assert torch.equal(h, before) and used == 0.01 and not raised
+        reversed_h = h.flip(0, 1)
+        lower, used, raised = _damped_cholesky(reversed_h, 0.01)
+        assert torch.equal(reversed_h, h.flip(0, 1)) and used == 0.01 and not raised
+        u = _upper_inverse_factor(lower)
         hd = h.double() + 0.01 * torch.diag(h.double()).mean() * torch.eye(k, dtype=torch.float64)
         ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
         assert torch.equal(u, u.triu()) and (torch.diag(u) > 0).all()
@@ -226,9 +234,11 @@ def _few_token_hessian(k: int = 1024, tokens: int = 4, dead: int = 8) -> torch.T
 
 
 def _prepare_as_before(h: torch.Tensor, act_order: bool, damp: float):
-    """prepare_hessian as it was before the float64 and round-to-nearest fallbacks: float32,
-    DAMP_STEPS only."""
-    from cpu_quant.quantize.gptq import HessianPrep
+    """prepare_hessian as it was before the float64 and round-to-nearest fallbacks (float32,
+    DAMP_STEPS only) and before it held fewer copies: a clone, the permuted copy, and a damped
+    reversed copy per attempt."""
+    from cpu_quant.quantize.factor import cholesky_lower, invert_lower
+    from cpu_quant.quantize.gptq import DAMP_STEPS, HessianNotPositiveDefinite, HessianPrep
 
     h = h.to(torch.float32).clone()
     dead = torch.diag(h) == 0
@@ -236,8 +246,15 @@ def _prepare_as_before(h: torch.Tensor, act_order: bool, damp: float):
     importance = torch.diag(h).clone()
     perm = torch.argsort(importance, descending=True) if act_order else torch.arange(h.shape[0])
     h = h[perm][:, perm]
-    hinv, used, raised = _damped_cholesky_inverse(h, damp)
-    return HessianPrep(dead, importance, perm, hinv, used, raised)
+    mean_diag = torch.mean(torch.diag(h)).item()
+    for step in DAMP_STEPS:  # a damped copy of the reversed matrix per attempt
+        damped = h.flip(0, 1)
+        damped.diagonal().add_(damp * step * mean_diag)
+        lower = cholesky_lower(damped)
+        if lower is not None:
+            hinv = invert_lower(lower).flip(0, 1)
+            return HessianPrep(dead, importance, perm, hinv, damp * step, step != 1.0)
+    raise HessianNotPositiveDefinite("the float32 route did not factor")
 
 
 def test_a_hessian_that_factors_in_float32_gives_the_same_result_as_before():

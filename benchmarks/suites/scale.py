@@ -50,14 +50,22 @@ FORMATS = "gptq,cpu_int4,gguf"
 TIMEOUT = 6 * 3600
 
 
+# float32 K x K matrices held at the peak of one group's quantization, for the widest input K:
+# the Hessian (its sum scaled in place), and while it is factored its reversed copy with the
+# factorization's working copy; once that copy is dropped, the factor with the inverse being
+# built and three quarter-size products (``gptq.prepare_hessian``, ``factor.invert_lower``)
+HESSIAN_COPIES = 3.75
+
+
 def memory_bound(config: dict, samples: int, seqlen: int, batch: int, runtime_floor: int) -> dict:
     """The peak RssAnon a run should stay under: the runtime floor, plus the largest of (one
     decoder layer's work, the head's work), plus the calibration activations. Every term in
     bytes, from the config and the calibration alone:
 
     - a layer: its weights in the compute dtype (bf16, 2 B), the float32 working copy of its
-      largest linear twice (the weight being swept and the dequantized result), and the float32
-      Hessians of its distinct inputs with one float32 ``K x K`` inverse for the widest;
+      largest linear twice (the weight being swept and its column-permuted copy), and the
+      Hessian of its widest input with what factoring it holds: :data:`HESSIAN_COPIES` float32
+      ``K x K`` matrices (the linears are quantized group by group, one Hessian at a time);
     - the head: its bf16 weight, its float32 working copy twice, its float32 Hessian and
       inverse;
     - activations: the calibration slab (``tokens x hidden``, bf16), the true-sequential stores
@@ -74,8 +82,8 @@ def memory_bound(config: dict, samples: int, seqlen: int, batch: int, runtime_fl
                (inter, hidden), (inter, hidden), (hidden, inter)]
     widths = [hidden, heads * hd, hidden, inter]  # distinct inputs: qkv, o, gate/up, down
     largest = max(n * k for n, k in linears)
-    layer = (2 * sum(n * k for n, k in linears) + 2 * 4 * largest
-             + 4 * sum(k * k for k in widths) + 4 * max(widths) ** 2)
+    layer = int(2 * sum(n * k for n, k in linears) + 2 * 4 * largest
+                + HESSIAN_COPIES * 4 * max(widths) ** 2)
     head = 2 * vocab * hidden + 2 * 4 * vocab * hidden + 2 * 4 * hidden * hidden
     tokens = samples * seqlen
     activations = 2 * tokens * hidden + 2 * tokens * (hidden + inter) + 3 * 4 * batch * seqlen * inter
@@ -83,6 +91,26 @@ def memory_bound(config: dict, samples: int, seqlen: int, batch: int, runtime_fl
              "activations": activations}
     return {"terms": terms, "bound_bytes": runtime_floor + max(layer, head) + activations,
             "formula": "runtime_floor + max(layer, head) + activations"}
+
+
+def _argv_value(argv: list[str], flag: str) -> int:
+    return int(argv[argv.index(flag) + 1])
+
+
+def current_bound(model: str, floor_record: dict) -> int:
+    """:func:`memory_bound` as this revision states it, for a floor arm's model and settings
+    (its argv) and its measured runtime floor: a result file's own bound is the formula of
+    its revision, so a table of several files takes every bound from the one formula. The
+    config is the run's source's where it is on this machine (the smoke run's tiny model),
+    else the named model's published one (what the random model was written with)."""
+    from cpu_quant.models.shapes import SHAPES
+
+    argv = floor_record["argv"]
+    source = Path(argv[argv.index("benchmarks.compute_floor") + 1]) / "config.json"
+    config = json.loads(source.read_text()) if source.is_file() else SHAPES[model].config()
+    return memory_bound(config, _argv_value(argv, "--samples"),
+                        _argv_value(argv, "--seqlen"), _argv_value(argv, "--batch-size"),
+                        floor_record["extras"]["runtime_floor_bytes"])["bound_bytes"]
 
 
 def _floor_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Arm:
@@ -276,7 +304,7 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
                   for p in PHASES}
         floor = {p: _median([f["extras"]["phases"][p]["floor_seconds"] for f in floors])
                  for p in PHASES}
-        bound = _median([f["extras"]["memory"]["bound_bytes"] for f in floors])
+        bound = _median([current_bound(model, f) for f in floors])
         floor_total = sum(floor.values())
         tokens = runs[0]["extras"]["calibration_tokens"]
         ratios = ", ".join(_ratio(phases[p], floor[p])

@@ -433,6 +433,7 @@ class ChainedGramSum(GramSum):
         self.pending: list[torch.Tensor] = []
         self.rows = 0
         self.summed = False
+        self.scaled = False
 
     def add(self, xtx: torch.Tensor, rows: int) -> None:
         if self.total is not None:

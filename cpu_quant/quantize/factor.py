@@ -75,6 +75,6 @@ def invert_lower(lower: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     out = torch.zeros_like(lower)
     out[:half, :half] = invert_lower(lower[:half, :half], block)
     out[half:, half:] = invert_lower(lower[half:, half:], block)
-    # the lower-left block: -C⁻¹ B A⁻¹
-    out[half:, :half] = -(out[half:, half:] @ (lower[half:, :half] @ out[:half, :half]))
+    # the lower-left block: -C⁻¹ B A⁻¹ (negated in place: two quarter-size temporaries, not three)
+    out[half:, :half] = (out[half:, half:] @ (lower[half:, :half] @ out[:half, :half])).neg_()
     return out

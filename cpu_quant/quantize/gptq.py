@@ -95,31 +95,43 @@ def quantize_rtn(weight: torch.Tensor, group_size: int, grid: GridSpec,
     return GroupQuant(codes, scale.squeeze(-1), None if zero is None else zero.squeeze(-1), g)
 
 
-def _damped_cholesky_inverse(h: torch.Tensor, damp: float, steps: tuple[float, ...] = DAMP_STEPS
-                             ) -> tuple[torch.Tensor, float, bool]:
-    """U, the upper Cholesky factor of the damped inverse: ``UᵀU = (H + λI)⁻¹`` with ``λ`` =
-    ``damp`` times the mean diagonal, ``damp`` raised through ``steps`` until H + λI factors
-    (in ``h``'s dtype); :class:`HessianNotPositiveDefinite` when none does.
+def _damped_cholesky(reversed_h: torch.Tensor, damp: float, steps: tuple[float, ...] = DAMP_STEPS
+                     ) -> tuple[torch.Tensor, float, bool]:
+    """M, the lower Cholesky factor of ``J(H + λI)J``, with ``λ`` = ``damp`` times the mean
+    diagonal, ``damp`` raised through ``steps`` until H + λI factors (in the matrix's dtype);
+    :class:`HessianNotPositiveDefinite` when none does. ``reversed_h`` is ``JHJ``: H with its
+    rows and columns in reverse order (J the order reversal). Returns (M, the damping used,
+    whether it was raised).
 
-    With J the order reversal and M the lower Cholesky factor of ``J(H + λI)J``:
-    ``(H + λI)⁻¹ = J M⁻ᵀ M⁻¹ J = (J M⁻¹ J)ᵀ (J M⁻¹ J)``, and ``J M⁻¹ J`` is upper triangular with
-    a positive diagonal, so it is U. That is one Cholesky and one triangular solve, where the
-    textbook route takes a Cholesky, ``cholesky_inverse`` (LAPACK potri) and a second Cholesky.
-    Both steps are ``factor.py``'s, whose bits do not depend on the thread count."""
-    mean_diag = torch.mean(torch.diag(h)).item()
+    The damping is added to ``reversed_h``'s own diagonal and the diagonal is put back after
+    each attempt (a copy, so exactly): no damped copy of the matrix is made, and
+    ``reversed_h`` is unchanged on return. The factorization is ``factor.py``'s, whose bits do
+    not depend on the thread count."""
+    diagonal = reversed_h.diagonal()
+    undamped = diagonal.clone()
+    mean_diag = torch.mean(undamped.flip(0)).item()  # summed in H's order, not the reversed one
     for step in steps:
         used = damp * step
-        damped = h.flip(0, 1)
-        damped.diagonal().add_(used * mean_diag)
-        lower = cholesky_lower(damped)
-        del damped
-        if lower is None:
-            continue
-        inverse = invert_lower(lower)
-        del lower
-        return inverse.flip(0, 1), used, step != 1.0
+        diagonal.add_(used * mean_diag)
+        try:
+            lower = cholesky_lower(reversed_h)
+        finally:
+            diagonal.copy_(undamped)
+        if lower is not None:
+            return lower, used, step != 1.0
     raise HessianNotPositiveDefinite(f"Hessian is not positive definite even with damping "
-                                     f"{damp * steps[-1]:.2f} ({str(h.dtype).removeprefix('torch.')})")
+                                     f"{damp * steps[-1]:.2f} "
+                                     f"({str(reversed_h.dtype).removeprefix('torch.')})")
+
+
+def _upper_inverse_factor(lower: torch.Tensor) -> torch.Tensor:
+    """U, the upper Cholesky factor of the damped inverse (``UᵀU = (H + λI)⁻¹``), from M of
+    :func:`_damped_cholesky`: ``(H + λI)⁻¹ = J M⁻ᵀ M⁻¹ J = (J M⁻¹ J)ᵀ (J M⁻¹ J)``, and
+    ``J M⁻¹ J`` is upper triangular with a positive diagonal, so it is U. That is one Cholesky
+    and one triangular inverse (``factor.py``'s, the same bits at any thread count), where the
+    textbook route takes a Cholesky, ``cholesky_inverse`` (LAPACK potri) and a second
+    Cholesky."""
+    return invert_lower(lower).flip(0, 1)
 
 
 @dataclass
@@ -138,22 +150,31 @@ class HessianPrep:
 
 def prepare_hessian(hessian: torch.Tensor, *, act_order: bool, damp: float) -> HessianPrep:
     """Raises :class:`HessianNotPositiveDefinite` when no damping step, in float32 or in
-    float64, makes the Hessian factor."""
-    h = hessian.to(torch.float32).clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    importance = torch.diag(h).clone()
-    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(h.shape[0])
-    h = h[perm][:, perm]
+    float64, makes the Hessian factor. ``hessian`` is not modified.
+
+    Memory, besides ``hessian``: a K x K copy in the factorization's order (the sweep's order
+    reversed, taken in one gather) with the factorization's working copy of it; then, that copy
+    dropped, the factor with the inverse being built (``factor.invert_lower``: the inverse, and
+    three quarter-size products for its lower-left block). At most 2.75 float32 K x K matrices
+    (the float64 fallback: twice that), which the scale suite's memory bound counts."""
+    importance = torch.diag(hessian).to(torch.float32)
+    dead = importance == 0
+    importance[dead] = 1.0  # a channel that never fired: H[i, i] = 1, its weights zeroed
+    perm = torch.argsort(importance, descending=True) if act_order else torch.arange(len(importance))
+    order = perm.flip(0)
+    h = hessian[order[:, None], order[None, :]].to(torch.float32)
+    h.diagonal()[dead[order]] = 1.0
     try:
-        hinv, used_damp, raised = _damped_cholesky_inverse(h, damp)
+        lower, used_damp, raised = _damped_cholesky(h, damp)
         fallback = None
     except HessianNotPositiveDefinite:
-        wide, used_damp, _ = _damped_cholesky_inverse(h.to(torch.float64), damp,
-                                                      DAMP_STEPS_FLOAT64)
-        hinv, raised, fallback = wide.to(torch.float32), True, "float64"
-        del wide
-    return HessianPrep(dead, importance, perm, hinv, used_damp, raised, fallback)
+        h = h.to(torch.float64)
+        lower, used_damp, _ = _damped_cholesky(h, damp, DAMP_STEPS_FLOAT64)
+        raised, fallback = True, "float64"
+    del h  # before the inversion: the matrix, its factor and the inverse are never all held
+    hinv = _upper_inverse_factor(lower)
+    del lower
+    return HessianPrep(dead, importance, perm, hinv.to(torch.float32), used_damp, raised, fallback)
 
 
 def quantize_gptq(weight: torch.Tensor, hessian: torch.Tensor | HessianPrep, group_size: int,

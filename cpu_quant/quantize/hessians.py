@@ -110,15 +110,26 @@ class GramSum:
     def __init__(self, width: int) -> None:
         self.total = torch.zeros(width, width)
         self.rows = 0
+        self.scaled = False  # the sum has become the Hessian (hessian())
 
     def add(self, xtx: torch.Tensor, rows: int) -> None:
         """One batch's XᵀX (not modified afterwards by the caller) and its row count."""
+        if self.scaled:
+            raise RuntimeError("a batch was added after the Hessian was taken")
         self.total.add_(xtx)
         self.rows += rows
 
     def hessian(self) -> torch.Tensor | None:
-        """``2 Σ XᵀX / n``; None when no batch reached the linear."""
-        return 2.0 * self.total / self.rows if self.rows else None
+        """``2 Σ XᵀX / n``; None when no batch reached the linear. Scaled in place, once (the
+        same bits as ``2.0 * total / n``): the sum becomes the Hessian, so a K x K float32
+        matrix is held once, not twice. Later calls return the same tensor; adding after the
+        first call is an error."""
+        if not self.rows:
+            return None
+        if not self.scaled:
+            self.total.mul_(2.0).div_(self.rows)
+            self.scaled = True
+        return self.total
 
 
 NewGramSum = Callable[[int], GramSum]  # width -> an empty sum (GramSum or a distributed one)
