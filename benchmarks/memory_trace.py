@@ -8,6 +8,8 @@ The pass worker of the ``memory_trace`` suite (``benchmarks/suites/memory_trace.
 ``python -m benchmarks.memory_trace --json OUT --model demo [--build default|plain]
 [--samples 128] ...``
 
+``python -m benchmarks.memory_trace --json OUT --model Llama-3.2-1B [--samples 8] ...``
+
 Runs the quantizer through its API (``quantize_checkpoint``) while a sampler thread reads this
 process's ``RssAnon`` every ``--interval`` seconds. The model: the memory suite's synthetic one
 at ``--depth`` times the demo model's 30 layers, with the memory suite's settings (the plain
@@ -15,7 +17,9 @@ build: no smoothing, the run's group everywhere it fits); or, with ``--model dem
 model with the fidelity suite's calibration (128 x 512 unless given) and one of its builds:
 ``default`` is what ``cpu-quant gptq`` does with no fidelity flag (its ``gptq+head`` arm),
 ``plain`` its ``gptq+head-plain`` arm (no smoothing, head and down projections in the run's
-group). Each time a new maximum is
+group); or, with a public model's name, its random-weight model of the same shapes
+(``cpu_quant.models.shapes``: memory only, its fidelity means nothing) with every default of
+the gptq command but the calibration's size. Each time a new maximum is
 seen, it records the Python stack of every thread (innermost frames last) and glibc's
 ``mallinfo2`` (bytes in use on the heaps, free on the heaps, and in direct mmaps). It also records
 ``RssAnon`` and ``mallinfo2`` after every completed layer.
@@ -129,7 +133,11 @@ class Tracer:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.memory_trace",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("synthetic", "demo"), default="synthetic")
+    from cpu_quant.models.shapes import SHAPES
+
+    ap.add_argument("--model", choices=("synthetic", "demo", *SHAPES), default="synthetic",
+                    help="a public model's name: its random-weight model of the same shapes "
+                         "(cpu_quant.models.shapes), with the gptq command's default build")
     ap.add_argument("--build", choices=("default", "plain"), default=None,
                     help="with --model demo: the fidelity suite's build (default: default)")
     ap.add_argument("--depth", type=int, default=4)
@@ -148,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--build applies to --model demo only")
     if args.samples is None:
         args.samples = DEMO_SAMPLES if args.model == "demo" else REAL["samples"]
+    shaped = args.model not in ("synthetic", "demo")
     for name in ("depth", "samples", "seqlen", "batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -168,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         src, label = demo_model_path(), f"demo-{args.build}"
         settings = replace(settings, **DEMO_BUILDS[args.build])
         layers = REAL["base_layers"]
+    elif shaped:
+        from cpu_quant.models.shapes import random_model_path
+
+        src, label = random_model_path(args.model, progress=False), f"{args.model}-default"
+        settings = replace(QuantSettings(samples=args.samples, seqlen=args.seqlen,
+                                         batch_size=args.batch_size), smooth=None)
+        layers = SHAPES[args.model].layers
     else:
         layers = REAL["base_layers"] * args.depth
         shapes = "smoke" if args.smoke else "demo"
