@@ -4,8 +4,8 @@
 
 Runs, from the repository root, the commands of ``.ci/run`` in its order: with ``--setup``,
 ``scripts/setup.sh --tests`` first (on a clean clone this is the install CI does); then
-its pytest lines (the unit tier in one process, again on two workers, then the end-to-end
-tier ``-m e2e``), each with the venv's
+its pytest lines (the unit tier in one process, then the end-to-end tier ``-m e2e`` on two
+workers), each with the venv's
 Python, exactly as ``.ci/run`` states them. For each step it records the wall time, the exit
 status, pytest's closing line (passed / skipped / failed counts and pytest's own time), every
 test's seconds (setup, call and teardown, from a JUnit XML report the runner asks pytest for;
@@ -45,7 +45,8 @@ SUMMARY_RE = re.compile(r"^=*\s*(?P<body>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d
 def steps(with_setup: bool) -> list[tuple[str, list[str]]]:
     """The commands of ``.ci/run``, in its order, as (name, argv): the setup (only
     ``with_setup``), then each pytest line, named ``e2e`` when it selects ``-m e2e``, else
-    ``unit-xdist`` when it runs on workers (``-n``) and ``unit`` in one process."""
+    ``unit-xdist`` when it runs on workers (``-n``) and ``unit`` in one process (earlier
+    ``.ci/run`` files ran the unit tier both ways)."""
     out = []
     for line in (REPO / ".ci" / "run").read_text().splitlines():
         argv = shlex.split(line, comments=True)
@@ -165,16 +166,23 @@ def _cell(record: dict | None) -> str:
     return f"{record['wall_seconds']:.0f} s" + (f" ({said}{status})" if said or status else "")
 
 
+def _unit_cell(record: dict) -> str:
+    """The unit tier's cell; a run from before CI ran it in one process says how it ran."""
+    workers = "-n" in shlex.split(record["command"])
+    return _cell(record) + (" on 2 workers" if workers else "")
+
+
 def render(results: Path, docs: Path) -> str:
     """The testing page's table: per CPU class, the newest run that timed every tier (the
     setup too where it ran), with its machine, git and result file."""
     from .render import isa
 
     rows, seen = [], set()
+    current = [name for name, _ in steps(False)]  # what .ci/run runs now, setup aside
     for path in sorted(results.glob("test-tiers-2*.json"), reverse=True):
         doc = json.loads(path.read_text())
         steps_run = {r["step"]: r for r in doc["records"]}
-        if not {"unit", "unit-xdist", "e2e"} <= set(steps_run):
+        if not set(current) <= set(steps_run):
             continue
         cpu = doc["provenance"]["cpu"]
         cls = isa(cpu)
@@ -182,17 +190,17 @@ def render(results: Path, docs: Path) -> str:
             continue
         seen.add(cls)
         git = doc["provenance"]["git"]
-        total = sum(r["wall_seconds"] for r in doc["records"])
+        total = sum(steps_run[n]["wall_seconds"] for n in ["setup", *current] if n in steps_run)
         rows.append(f"| {cpu['model']} ({cls}), {doc['provenance']['threads']['cpu_count']} cores "
                     f"| {git['sha'][:7]}{' (dirty)' if git['dirty'] else ''} "
-                    f"| {_cell(steps_run.get('setup'))} | {_cell(steps_run['unit'])} "
-                    f"| {_cell(steps_run['unit-xdist'])} | {_cell(steps_run['e2e'])} "
+                    f"| {_cell(steps_run.get('setup'))} | {_unit_cell(steps_run['unit'])} "
+                    f"| {_cell(steps_run['e2e'])} "
                     f"| {total / 60:.1f} min | [{path.name}]({os.path.relpath(path, docs)}) |")
     if not rows:
         return "Not measured yet: no result file of a run of every tier is committed."
-    return "\n".join(["| CPU | git | setup (clean clone) | unit tier, one process | unit tier, "
-                      "2 workers | end-to-end tier, 2 workers | the steps run, total | result file |",
-                      "|---|---|---|---|---|---|---|---|", *rows, "",
+    return "\n".join(["| CPU | git | setup (clean clone) | unit tier, one process | "
+                      "end-to-end tier, 2 workers | CI's steps, total | result file |",
+                      "|---|---|---|---|---|---|---|", *rows, "",
                       "Command: `python -m benchmarks.test_tiers [--setup]`."])
 
 

@@ -493,6 +493,11 @@ class QuantizationRun:
                   for plans in self.layer_plans for p in plans.values()}
         groups[smoothing_factors.HEAD] = head_plan.effective_group
         stats = self.batches[:smooth_fold.STATS_BATCHES]
+        # the unfolded stream is not read again (a folded one replaces it below): drop it, and
+        # the embedding it holds (0.5 GB at 1B, 1 GB at 8B), before the statistics pass loads
+        # its own (it sits in reference cycles: collect it)
+        self.stream = None
+        gc.collect()
         folds, factors, choices = smooth_fold.plan_smoothing(
             LayerStream(self.ckpt), stats, groups.__getitem__,
             smoothing_factors.HEAD if head_plan.quantize and not self.head_tied else None,

@@ -51,6 +51,10 @@ def torch_threads(n: int):
 
 
 ROW_BLOCK = 4096  # output rows quantized at a time
+# where a stack shorter than a row block per thread is cut (the distributed ranks' cuts too):
+# every row's codes and scales are the same whatever rows are swept with it (row-wise math,
+# and a lazy update whose sums run along the block, not the rows)
+CUT_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,16 @@ class LocalRows:
     rank = 0
 
     def cut(self, stack: int, rows: int) -> list[Piece]:
-        return [Piece(stack, r0, min(r0 + ROW_BLOCK, rows), 0) for r0 in range(0, rows, ROW_BLOCK)]
+        """Row blocks of ROW_BLOCK rows; a stack with fewer blocks than torch has threads is
+        cut into one piece per thread instead (at multiples of CUT_ROWS), since the pieces run
+        side by side, one per thread: a 1B model's q/k/v, o and down projections are one block
+        each, and one thread swept them while the other idled."""
+        step = ROW_BLOCK
+        if -(-rows // ROW_BLOCK) < torch.get_num_threads():
+            pieces = min(torch.get_num_threads(), max(1, rows // CUT_ROWS))
+            step = -(-rows // pieces // CUT_ROWS) * CUT_ROWS if pieces > 1 else rows
+            step = max(step, CUT_ROWS)
+        return [Piece(stack, r0, min(r0 + step, rows), 0) for r0 in range(0, rows, step)]
 
     def exchange(self, pieces: list[Piece], mine: dict[Piece, GroupQuant],
                  empty: Callable[[Piece], GroupQuant]) -> dict[Piece, GroupQuant]:
