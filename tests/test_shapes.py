@@ -55,3 +55,38 @@ def test_bad_names_are_refused_in_one_line(tmp_path, capsys):
             _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=[bad]))
     assert _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=["Llama-3.2-1B:serve"])) \
         == {"Llama-3.2-1B": ("serve",)}
+
+
+def test_scale_checks_parts_refuse_a_missing_artifact_and_compare_every_tensor(tmp_path):
+    """The checks and rerun parts run on the quantize part's output: without it they are
+    refused before any work; what they compare is every tensor of every safetensors file and
+    every GGUF file's bytes, so one changed element is a difference."""
+    import torch
+    from safetensors.torch import save_file
+
+    from benchmarks.scale_checks import _differing, tensor_digests
+    from benchmarks.suites.quantize import SuiteOptions
+    from benchmarks.suites.scale import build
+
+    assert _selection_parts(tmp_path) == {"Llama-3.2-1B": ("checks", "rerun")}
+    with pytest.raises(ValueError, match="needs the quantize part's output"):
+        build(SuiteOptions(smoke=False, workdir=tmp_path, arms=["Llama-3.2-1B:checks"]))
+    for name in ("a", "b"):
+        (tmp_path / name / "gptq").mkdir(parents=True)
+        save_file({"w": torch.arange(6, dtype=torch.int32)}, tmp_path / name / "gptq" / "m.safetensors")
+        (tmp_path / name / "gguf").mkdir()
+        (tmp_path / name / "gguf" / "m.gguf").write_bytes(b"GGUF-1")
+    a, b = tensor_digests(tmp_path / "a"), tensor_digests(tmp_path / "b")
+    assert set(a) == {"gptq/w", "gguf/m.gguf"} and not _differing(a, b)
+    save_file({"w": torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32)},
+              tmp_path / "b" / "gptq" / "m.safetensors")
+    (tmp_path / "b" / "gguf" / "m.gguf").write_bytes(b"GGUF-2")
+    assert _differing(a, tensor_digests(tmp_path / "b")) == ["gguf/m.gguf", "gptq/w"]
+
+
+def _selection_parts(tmp_path):
+    from benchmarks.suites.quantize import SuiteOptions
+    from benchmarks.suites.scale import _selection
+
+    return _selection(SuiteOptions(smoke=False, workdir=tmp_path,
+                                   arms=["Llama-3.2-1B:checks", "Llama-3.2-1B:rerun"]))

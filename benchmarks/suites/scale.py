@@ -163,7 +163,34 @@ def _gptq_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Ar
                artifacts=lambda ctx: {f: dst / f for f in FORMATS.split(",")}, extras=extras)
 
 
-PARTS = ("quantize", "serve")
+PARTS = ("quantize", "serve", "checks", "rerun")
+# the rerun part's kill point: the end of this layer (a third of the way through the smallest)
+RESUME_AT = 5
+
+
+def _checks_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path, rerun: bool) -> Arm:
+    """``benchmarks/scale_checks.py`` on the quantize part's artifact: verify, inspect, convert
+    and eval (``checks``), or a killed-and-resumed run and a two-process run, each compared
+    with the artifact bit for bit (``rerun``)."""
+    argv = [sys.executable, "-m", "benchmarks.scale_checks", str(src), str(dst),
+            "--samples", str(samples), "--seqlen", str(seqlen), "--batch-size", str(BATCH)]
+    argv += ["--only-rerun", "--resume-at", str(RESUME_AT), "--nproc"] if rerun else []
+
+    def command(ctx: PassContext) -> Command:
+        return Command([*argv, "--json", str(ctx.workdir / "checks.json")], timeout=TIMEOUT)
+
+    def collect(ctx: PassContext, run: RunRecord) -> dict[str, float]:
+        return {}
+
+    def extras(ctx: PassContext, run: RunRecord) -> dict:
+        doc = json.loads((ctx.workdir / "checks.json").read_text())
+        return {"steps": [{k: v for k, v in step.items() if not k.endswith("_tail")}
+                          for step in doc["steps"]], "ok": doc["ok"]}
+
+    part = "rerun" if rerun else "checks"
+    return Arm(f"{part}-{model}", {"model": model, "source": str(src), "samples": samples,
+                                   "seqlen": seqlen, "batch_size": BATCH, "part": part},
+               command, collect, extras=extras)
 
 
 def _selection(opts: SuiteOptions) -> dict[str, tuple[str, ...]]:
@@ -185,6 +212,12 @@ def build(opts: SuiteOptions) -> list[Suite]:
 
     selection = _selection(opts)
     models = list(selection)
+    for model, parts in selection.items():  # before any model is written or read
+        for part in (p for p in parts if p != "quantize"):
+            out = opts.workdir / "artifacts" / model
+            if "quantize" not in parts and not (out / "gptq").is_dir() and not opts.smoke:
+                raise ValueError(f"{model}:{part} needs the quantize part's output in {out}: "
+                                 f"run {model}:quantize with this --workdir first")
     arms: list[Arm] = []
     sources: dict[str, Path] = {}
     outputs: dict[str, Path] = {}
@@ -218,18 +251,36 @@ def build(opts: SuiteOptions) -> list[Suite]:
                "the floor arm and the quantization arm run in the same pass, one after the other"])
     if opts.smoke:
         return [quantize]
+    checks = []
+    for model in models:
+        for part in ("checks", "rerun"):
+            if part not in selection[model]:
+                continue
+            samples, seqlen = CALIBRATION[model]
+            arm = _checks_arm(model, sources[model], samples, seqlen, outputs[model],
+                              rerun=part == "rerun")
+            checks.append(Suite(
+                name=f"scale-{part}-{model}",
+                description=("verify, inspect, convert and eval" if part == "checks" else
+                             "a killed-and-resumed run and a two-process run") +
+                            " at this size, against the quantize part's artifact",
+                metrics=[WALL_SECONDS, PEAK_RSS_ANON], arms=[arm],
+                baseline_of={arm.name: arm.name},
+                settings={"model": model, "calibration": [samples, seqlen], "batch_size": BATCH,
+                          "resume_at_layer": RESUME_AT if part == "rerun" else None},
+                inputs={f"source-{model}": sources[model]},
+                notes=["random weights (cpu_quant.models.shapes): fidelity is not measured",
+                       "correctness at size: each step's exit status and, where it writes an "
+                       "artifact, its bits against the quantize part's"]))
     serve = []
     for model in (m for m in models if "serve" in selection[m]):
-        if "quantize" not in selection[model] and not (outputs[model] / "gptq").is_dir():
-            raise ValueError(f"{model}:serve needs the quantize part's output in "
-                             f"{outputs[model]}: run {model}:quantize with this --workdir first")
         artifacts = {"bf16": sources[model], "gptq": outputs[model] / "gptq",
                      "cpu_int4": outputs[model] / "cpu_int4"}
         suite = tb.build_suite(model, artifacts, 64, False, name=f"scale-serve-{model}")
         suite.settings["quantized_arms"] = "the scale-quantize part's artifact (default settings)"
         suite.notes.append("random weights (cpu_quant.models.shapes): speed and memory only")
         serve.append(suite)
-    return ([quantize] if arms else []) + serve
+    return ([quantize] if arms else []) + serve + checks
 
 
 # -- the results page's table ----------------------------------------------------------------
