@@ -391,4 +391,30 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
                      f"--arms {','.join(meta['models'])}`.")
         if q.get("machine_note"):
             lines.append(f"Note on this run: {q['machine_note']}.")
+    for model in MODELS:
+        for part in ("checks", "rerun"):
+            path = newest(results, f"scale-{part}-{model}-{kind}2*.json")
+            if path is not None:
+                lines += ["", _checks_line(model, part, json.loads(path.read_text()), link(path))]
     return "\n".join(lines)
+
+
+def _checks_line(model: str, part: str, doc: dict, link: str) -> str:
+    """One sentence per checks or rerun file: each step, whether it held, its time and peak."""
+    runs = [r for r in doc["records"] if r["arm"] == f"{part}-{model}" and r.get("extras")]
+    if not runs:
+        return f"{model}, {part}: no pass finished ({link})."
+    steps = runs[0]["extras"]["steps"]
+    said = "; ".join(f"{st['step']} {'held' if st['ok'] else 'FAILED'} "
+                     f"({_fmt_s(st['wall_seconds'])}, {st['peak_rss_anon_bytes'] / 2**30:.2f} GiB)"
+                     for st in steps)
+    meta = machine(doc)
+    what = ("verify, inspect, convert (against the run's cpu_int4, bit for bit), eval"
+            if part == "checks" else
+            "killed at a layer's end and resumed, and two processes, each against the "
+            "quantize part's output, bit for bit")
+    partial = f" ({meta['partial']})" if meta["partial"] else ""
+    return (f"{model}, {what}: {said}. {meta['cpu']} ({meta['isa']}), git {meta['sha'][:7]}"
+            f"{partial}; "
+            f"`python -m benchmarks run scale --arms {model}:{part}`; {link}."
+            + (f" Note on this run: {doc['machine_note']}." if doc.get("machine_note") else ""))
