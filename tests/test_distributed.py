@@ -34,9 +34,9 @@ from benchmarks.bit_identity import compare
 from cpu_quant.core.grid import GroupQuant
 from cpu_quant.models.tiny import make_tiny_model
 from cpu_quant.quantize import schedule
-from cpu_quant.quantize.distributed import ROW_ALIGN, _pack_codes, _unpack_codes, rank_pieces
+from cpu_quant.quantize.distributed import _pack_codes, _unpack_codes, rank_pieces
 from cpu_quant.quantize.gptq import GridSpec
-from cpu_quant.quantize.schedule import LocalRows, Piece, QuantJob, quantize_linears
+from cpu_quant.quantize.schedule import ROW_ALIGN, LocalRows, Piece, QuantJob, quantize_linears
 
 from .conftest import CLI, REPO
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -608,3 +609,40 @@ def test_gram_is_the_same_bit_for_bit_whatever_its_blocks(monkeypatch):
     narrow = hessians.gram(x)
     assert torch.equal(capped, narrow)
     assert torch.equal(capped, capped.t())
+
+
+def test_a_short_stack_is_cut_per_thread_and_keeps_every_bit():
+    """A stack with fewer row blocks than torch has threads is cut into one piece per thread,
+    each starting at a multiple of 64 rows and none a sliver; the codes and scales of the
+    whole run are those of one thread sweeping the whole matrix."""
+    from cpu_quant.formats import get_format
+    from cpu_quant.quantize import schedule
+    from cpu_quant.quantize.plan import plan_linear
+    from cpu_quant.quantize.settings import QuantSettings
+
+    previous = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for rows in (130, 960, 3072, 4096):
+                pieces = schedule.LOCAL_ROWS.cut(0, rows)
+                assert len(pieces) == min(threads, rows // 64)
+                assert pieces[0].r0 == 0 and pieces[-1].r1 == rows
+                assert all(a.r1 == b.r0 and b.r0 % 64 == 0 for a, b in itertools.pairwise(pieces))
+                assert min(p.r1 - p.r0 for p in pieces) >= 32
+            assert len(schedule.LOCAL_ROWS.cut(0, 100)) == 1  # fewer than 2 x 64 rows
+            assert len(schedule.LOCAL_ROWS.cut(0, 3 * 4096)) == 3  # row blocks, as before
+        gen = torch.Generator().manual_seed(21)
+        x = _correlated_inputs(1024, 256, seed=21)
+        h = 2 * x.t() @ x / x.shape[0]
+        w = torch.randn(960, 256, generator=gen).to(torch.bfloat16)
+        job = schedule.QuantJob(w, plan_linear("q_proj", 256, 960, 64, False,
+                                               get_format("gptq").limits), h)
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            (gq, _), = schedule.quantize_linears([job], QuantSettings(group_size=64), GridSpec())
+            got[threads] = gq
+        assert torch.equal(got[1].codes, got[2].codes) and torch.equal(got[1].scales, got[2].scales)
+    finally:
+        torch.set_num_threads(previous)

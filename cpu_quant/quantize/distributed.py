@@ -64,10 +64,9 @@ from ..core.grid import GroupQuant
 from ..core.io.artifact import StagedOutput
 from . import schedule
 from .hessians import GramSum
-from .schedule import LOCAL_ROWS, Piece, RowShare
+from .schedule import LOCAL_ROWS, Piece, RowShare, aligned_bounds
 from .settings import DEFAULT_RANK_TIMEOUT
 
-ROW_ALIGN = 64  # a rank's rows of a sweep start at a multiple of this
 CHAIN_BLOCK_BYTES = 4 << 20  # the running Hessian sum travels in row blocks of about this size
 VOICE_KEY = "cpu_quant/voice"  # the rank that prints a stopped run's one line
 DONE_KEY = "cpu_quant/done"  # ranks past that decision (the store's host waits for them)
@@ -480,13 +479,10 @@ class TeamRows:
 
 def rank_pieces(stack: int, rows: int, world_size: int) -> list[Piece]:
     """Rows ``0:rows`` of a stack cut into one near-equal range per rank, each starting at a
-    multiple of ROW_ALIGN rows, and at the single process's block boundaries (multiples of
-    ``schedule.ROW_BLOCK``). A sweep computes each row alike whatever other rows share its
-    matrix products, as long as the matrix is not a sliver of 1 to 3 rows (measured: BLAS
-    takes another path there); so no piece starts anywhere a single process's would not
-    start a matrix of at least ROW_ALIGN rows."""
+    multiple of ROW_ALIGN rows (``schedule.aligned_bounds``), and at the single process's block
+    boundaries (multiples of ``schedule.ROW_BLOCK``): no piece is a sliver of a few rows."""
     p, block = world_size, schedule.ROW_BLOCK
-    bounds = [min(rows, round(rows * r / p / ROW_ALIGN) * ROW_ALIGN) for r in range(p)] + [rows]
+    bounds = aligned_bounds(rows, p)
     pieces = []
     for r in range(p):
         a = bounds[r]

@@ -9,6 +9,7 @@ distributed run its rank's share, the others' results received from their ranks
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,10 +52,17 @@ def torch_threads(n: int):
 
 
 ROW_BLOCK = 4096  # output rows quantized at a time
-# where a stack shorter than a row block per thread is cut (the distributed ranks' cuts too):
-# every row's codes and scales are the same whatever rows are swept with it (row-wise math,
-# and a lazy update whose sums run along the block, not the rows)
-CUT_ROWS = 64
+# where a stack is cut below a row block (into one piece per thread, or per rank of a
+# distributed run): every row's codes and scales are the same whatever rows are swept with it
+# (row-wise math, and a lazy update whose sums run along the block, not the rows), as long as
+# the matrix is not a sliver of 1 to 3 rows (measured: BLAS takes another path there)
+ROW_ALIGN = 64
+
+
+def aligned_bounds(rows: int, parts: int) -> list[int]:
+    """``parts`` near-equal ranges of ``0:rows`` as their bounds, each range starting at a
+    multiple of ROW_ALIGN (so none is a sliver when ``rows >= parts * ROW_ALIGN``)."""
+    return [min(rows, round(rows * r / parts / ROW_ALIGN) * ROW_ALIGN) for r in range(parts)] + [rows]
 
 
 @dataclass(frozen=True)
@@ -90,15 +98,15 @@ class LocalRows:
 
     def cut(self, stack: int, rows: int) -> list[Piece]:
         """Row blocks of ROW_BLOCK rows; a stack with fewer blocks than torch has threads is
-        cut into one piece per thread instead (at multiples of CUT_ROWS), since the pieces run
+        cut into one piece per thread instead (:func:`aligned_bounds`), since the pieces run
         side by side, one per thread: a 1B model's q/k/v, o and down projections are one block
         each, and one thread swept them while the other idled."""
-        step = ROW_BLOCK
-        if -(-rows // ROW_BLOCK) < torch.get_num_threads():
-            pieces = min(torch.get_num_threads(), max(1, rows // CUT_ROWS))
-            step = -(-rows // pieces // CUT_ROWS) * CUT_ROWS if pieces > 1 else rows
-            step = max(step, CUT_ROWS)
-        return [Piece(stack, r0, min(r0 + step, rows), 0) for r0 in range(0, rows, step)]
+        threads = torch.get_num_threads()
+        if -(-rows // ROW_BLOCK) >= threads or rows < 2 * ROW_ALIGN:
+            return [Piece(stack, r0, min(r0 + ROW_BLOCK, rows), 0)
+                    for r0 in range(0, rows, ROW_BLOCK)]
+        bounds = aligned_bounds(rows, min(threads, rows // ROW_ALIGN))
+        return [Piece(stack, a, b, 0) for a, b in itertools.pairwise(bounds) if b > a]
 
     def exchange(self, pieces: list[Piece], mine: dict[Piece, GroupQuant],
                  empty: Callable[[Piece], GroupQuant]) -> dict[Piece, GroupQuant]:
