@@ -40,9 +40,10 @@ import time
 from pathlib import Path
 
 from .rss import TreeRssSampler
+from .suites.scale import FORMATS as SCALE_FORMATS
 
 CLI = [sys.executable, "-m", "cpu_quant.cli"]
-FORMATS = ("gptq", "cpu_int4", "gguf")
+FORMATS = tuple(SCALE_FORMATS.split(","))  # the quantize part's
 EVAL = ["--windows", "4", "--seqlen", "256", "--prompts", "2", "--new-tokens", "8"]
 
 
