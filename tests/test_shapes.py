@@ -4,6 +4,8 @@ weights are a function of the seed and the tensor's name alone."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,6 +57,58 @@ def test_bad_names_are_refused_in_one_line(tmp_path, capsys):
             _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=[bad]))
     assert _selection(SuiteOptions(smoke=False, workdir=tmp_path, arms=["Llama-3.2-1B:serve"])) \
         == {"Llama-3.2-1B": ("serve",)}
+    # a bare name runs every part; the phone part only at 1B unless named
+    every = _selection(SuiteOptions(smoke=False, workdir=tmp_path,
+                                    arms=["Llama-3.2-1B", "Llama-3-8B", "Llama-3.2-3B:phone"]))
+    assert every == {"Llama-3.2-1B": ("quantize", "serve", "checks", "rerun", "phone"),
+                     "Llama-3-8B": ("quantize", "serve", "checks", "rerun"),
+                     "Llama-3.2-3B": ("phone",)}
+
+
+def test_the_peaked_variant_differs_only_in_its_embedding(tmp_path, demo_src):
+    """The peaked variant (for export-phone's verification at size) has the same shapes and
+    every tensor of the plain model but the embedding, which is normal with std 1 from the same
+    generator; it says so in its config."""
+    from safetensors.torch import load_file
+
+    from cpu_quant.models.shapes import PEAKED_STD, PublicShape, write_random_model
+
+    small = PublicShape("Small", "llama", "LlamaForCausalLM", 64, 128, 2, 4, 2, 512, True, 256,
+                        10000.0, 1e-5, extra={"attention_bias": False, "mlp_bias": False})
+    plain = write_random_model(small, tmp_path / "plain", demo_src, progress=False)
+    peaked = write_random_model(small, tmp_path / "peaked", demo_src, progress=False, peaked=True)
+    a = {k: v for f in sorted(plain.glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(peaked.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied
+    name = "model.embed_tokens.weight"
+    assert all(torch.equal(a[k], b[k]) for k in a if k != name)
+    assert float(a[name].float().std()) == pytest.approx(0.02, rel=0.1)
+    assert float(b[name].float().std()) == pytest.approx(PEAKED_STD, rel=0.1)
+    # the same draws, scaled: the variant is the plain model's embedding times 50
+    assert torch.allclose(b[name].float(), a[name].float() * (PEAKED_STD / 0.02), rtol=0.02)
+    cfg = json.loads((peaked / "config.json").read_text())["cpu_quant_random_model"]
+    assert cfg["peaked_std"] == PEAKED_STD
+    assert "peaked_std" not in json.loads((plain / "config.json").read_text())["cpu_quant_random_model"]
+
+
+def test_scale_phone_part_exports_the_peaked_variant_with_the_1b_recipe(tmp_path, monkeypatch):
+    """The phone part needs no quantize output; it runs the phone suite's 8da4w arm with an
+    8-bit head on the peaked variant, with the GPTQ run on the suite's calibration size."""
+    from benchmarks.suites import phone, scale
+    from benchmarks.suites.quantize import SuiteOptions
+    from cpu_quant.models import shapes
+
+    asked = []
+    monkeypatch.setattr(shapes, "random_model_path",
+                        lambda name, peaked=False, **kw: asked.append((name, peaked)) or tmp_path)
+    suites = scale.build(SuiteOptions(smoke=False, workdir=tmp_path, arms=["Llama-3.2-1B:phone"]))
+    assert [s.name for s in suites] == ["scale-phone-Llama-3.2-1B"] and asked[-1] == ("Llama-3.2-1B", True)
+    (arm,) = suites[0].arms
+    assert arm.name == scale.PHONE_ARM and arm.settings["scheme"] == "8da4w"
+    assert arm.settings["head_bits"] == 8 and arm.settings["group_size"] == 32
+    assert phone.ARM_SETTINGS[scale.PHONE_ARM] == {"head_bits": 8}
+    samples, seqlen = scale.CALIBRATION["Llama-3.2-1B"]
+    assert (suites[0].settings["gptq_samples"], suites[0].settings["gptq_seqlen"]) == (samples, seqlen)
 
 
 def test_scale_checks_parts_refuse_a_missing_artifact_and_compare_every_tensor(tmp_path):

@@ -10,6 +10,9 @@ Arms (baseline ``fp32``), one per scheme of ``cpu-quant export-phone``:
             scales, activation smoothing folded into the weights first: ``cpu-quant gptq
             --smooth``, the export's default for 8da4w), int8 activations per token
 ``8da4w-nosmooth``  the same without the smoothing (``export-phone --no-smooth``)
+``8da4w-head8``  8da4w with the head left out of the GPTQ run and stored at 8 bits per output
+            channel (``export-phone --head-bits 8``): with the int8 embedding that every
+            XNNPACK scheme stores, ExecuTorch's published Llama-3.2 recipe
 ``w8a16``   QNN: int8 weights per channel, calibrated uint16 activations; without the Qualcomm
             SDK the program runs on ExecuTorch's portable kernels on this host (not the HTP)
 ``16a4w``   QNN: int4 GPTQ codes per output channel, calibrated uint16 activations; portable
@@ -58,11 +61,12 @@ from ..render import harness_block
 from .quantize import SuiteOptions, select
 
 # the arms: export-phone's schemes, and 8da4w without smoothing
-ARMS = ("fp32", "8da8w", "8da4w", "8da4w-nosmooth", "w8a16", "16a4w")
+ARMS = ("fp32", "8da8w", "8da4w", "8da4w-nosmooth", "8da4w-head8", "w8a16", "16a4w")
 BASELINE = "fp32"
 # an arm is a scheme, with export settings of its own where its name says so
 SCHEME = {arm: arm.split("-")[0] for arm in ARMS}
-ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False}}  # export-phone --no-smooth
+ARM_SETTINGS = {"8da4w-nosmooth": {"gptq_smooth": False},  # export-phone --no-smooth
+                "8da4w-head8": {"head_bits": 8}}  # export-phone --head-bits 8
 BACKEND = {arm: "qnn" if SCHEME[arm] in ("w8a16", "16a4w") else "xnnpack" for arm in ARMS}
 
 REPO = Path(__file__).resolve().parents[2]

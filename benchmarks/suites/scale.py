@@ -4,8 +4,10 @@ The models come from ``cpu_quant.models.shapes`` (Llama-3.2-1B, Llama-3.2-3B and
 exact configs, random bf16 weights, the demo tokenizer): **speed and memory only**, every
 fidelity number of such a model is meaningless. ``--arms`` names the models (default: all
 three; ``--arms Llama-3.2-1B`` runs one), each optionally with one part (``MODEL:quantize``,
-``MODEL:serve``; the serving part reads the quantize part's output in ``--workdir``). Two
-parts, each its own result file:
+``MODEL:serve``, ``MODEL:checks``, ``MODEL:rerun``, ``MODEL:phone``; the serving, checks and
+rerun parts read the quantize part's output in ``--workdir``; a bare model name runs every part
+but the phone part, which only the 1B model runs by default). The parts, each its own result
+file:
 
 ``scale-quantize``  per model, two interleaved arms:
     ``floor-<model>``  ``python -m benchmarks.compute_floor``: this machine's compute floor of
@@ -22,6 +24,18 @@ parts, each its own result file:
     names) and ``cpu_int4`` (the tinygemm output): decode (batch 1) and 512-token prefill
     tokens/s and RssAnon after start-up, attributed per process and, in the worker, to weights
     and KV cache.
+``scale-checks-<model>``, ``scale-rerun-<model>``  ``benchmarks/scale_checks.py`` on that
+    artifact (verify, inspect, convert, eval; a killed-and-resumed run and a two-process run,
+    each compared bit for bit).
+``scale-phone-<model>``  the phone suite's ``8da4w-head8`` arm (ExecuTorch's Llama-3.2 recipe:
+    4-bit GPTQ codes in groups of 32 with int8 dynamic activations, int8 embedding, 8-bit
+    head), with the GPTQ run on this suite's calibration size: the export's wall time and peak
+    RssAnon (one build), the program's size, and its decode and prefill through ExecuTorch's
+    runtime. Its source is the model's *peaked* variant (``cpu_quant.models.shapes``: the
+    embedding at unit variance, the same shapes and compute), because the export refuses to
+    write a program whose top-1 tokens disagree with the float model's, and the plain random
+    model's flat next-token distribution makes that agreement noise; on the peaked variant
+    the check passes trivially, so this part measures speed and memory only.
 
 Smoke mode (CI): the quantize suite's tiny random Llama in place of every model, 4 x 64
 calibration tokens, one pass, no serving part; its numbers say nothing.
@@ -163,7 +177,9 @@ def _gptq_arm(model: str, src: Path, samples: int, seqlen: int, dst: Path) -> Ar
                artifacts=lambda ctx: {f: dst / f for f in FORMATS.split(",")}, extras=extras)
 
 
-PARTS = ("quantize", "serve", "checks", "rerun")
+PARTS = ("quantize", "serve", "checks", "rerun", "phone")
+PHONE_MODELS = ("Llama-3.2-1B",)  # the models whose bare name includes the phone part
+PHONE_ARM = "8da4w-head8"
 # the rerun part's kill point: the end of this layer (a third of the way through the smallest)
 RESUME_AT = 5
 
@@ -201,7 +217,8 @@ def _selection(opts: SuiteOptions) -> dict[str, tuple[str, ...]]:
         if model not in MODELS or (part and part not in PARTS):
             raise ValueError(f"unknown arm {entry!r}; --arms takes MODEL or MODEL:PART with MODEL "
                              f"one of {', '.join(MODELS)} and PART one of {', '.join(PARTS)}")
-        chosen[model] = tuple(dict.fromkeys(chosen.get(model, ()) + ((part,) if part else PARTS)))
+        every = tuple(p for p in PARTS if p != "phone" or model in PHONE_MODELS)
+        chosen[model] = tuple(dict.fromkeys(chosen.get(model, ()) + ((part,) if part else every)))
     return chosen
 
 
@@ -213,7 +230,7 @@ def build(opts: SuiteOptions) -> list[Suite]:
     selection = _selection(opts)
     models = list(selection)
     for model, parts in selection.items():  # before any model is written or read
-        for part in (p for p in parts if p != "quantize"):
+        for part in (p for p in parts if p not in ("quantize", "phone")):
             out = opts.workdir / "artifacts" / model
             if "quantize" not in parts and not (out / "gptq").is_dir() and not opts.smoke:
                 raise ValueError(f"{model}:{part} needs the quantize part's output in {out}: "
@@ -221,7 +238,7 @@ def build(opts: SuiteOptions) -> list[Suite]:
     arms: list[Arm] = []
     sources: dict[str, Path] = {}
     outputs: dict[str, Path] = {}
-    for model in models:
+    for model in (m for m in models if set(selection[m]) - {"phone"}):  # the plain model's parts
         if opts.smoke:
             from ..peers import gptqmodel_env
 
@@ -280,7 +297,33 @@ def build(opts: SuiteOptions) -> list[Suite]:
         suite.settings["quantized_arms"] = "the scale-quantize part's artifact (default settings)"
         suite.notes.append("random weights (cpu_quant.models.shapes): speed and memory only")
         serve.append(suite)
-    return ([quantize] if arms else []) + serve + checks
+    phone = [_phone_suite(model, opts.workdir) for model in models if "phone" in selection[model]]
+    return ([quantize] if arms else []) + serve + checks + phone
+
+
+def _phone_suite(model: str, workdir: Path) -> Suite:
+    """The phone suite's :data:`PHONE_ARM` on the model's peaked variant, its GPTQ run on this
+    suite's calibration size (module docstring)."""
+    from cpu_quant.models.shapes import random_model_path
+
+    from . import phone as ph
+
+    samples, seqlen = CALIBRATION[model]
+    settings = {**ph.REAL, "gptq_samples": samples, "gptq_seqlen": seqlen}
+    src = random_model_path(model, peaked=True)
+    arm = ph.scheme_arm(PHONE_ARM, src, settings, ph.TIMEOUT)
+    return Suite(
+        name=f"scale-phone-{model}",
+        description=(f"export-phone at {model}'s shapes (its peaked random variant): ExecuTorch's "
+                     "Llama-3.2 recipe on XNNPACK, the export's time and peak, the program's "
+                     "size, decode and prefill through ExecuTorch's runtime, batch 1"),
+        metrics=ph.METRICS, arms=[arm], baseline_of={arm.name: arm.name},
+        settings={"model": model, "source": str(src), **settings,
+                  "runtime": "ExecuTorch Python runtime (pybindings), greedy, batch 1"},
+        inputs={f"source-{model}-peaked": src},
+        notes=["random weights with a unit-variance embedding (cpu_quant.models.shapes, peaked): "
+               "the export's verification passes trivially on it; speed and memory only",
+               "export time is a one-off build measurement (result['builds'])"])
 
 
 # -- the results page's table ----------------------------------------------------------------
@@ -396,7 +439,36 @@ def render(results: Path, docs: Path, smoke: bool = False) -> str:
             path = newest(results, f"scale-{part}-{model}-{kind}2*.json")
             if path is not None:
                 lines += ["", _checks_line(model, part, json.loads(path.read_text()), link(path))]
+        path = newest(results, f"scale-phone-{model}-{kind}2*.json")
+        if path is not None:
+            lines += ["", _phone_line(model, json.loads(path.read_text()), link(path))]
     return "\n".join(lines)
+
+
+def _phone_line(model: str, doc: dict, link: str) -> str:
+    """One sentence per phone file: the export's time and peak, the program's size, decode
+    and prefill (medians over the passes)."""
+    runs = [r for r in doc["records"] if r["arm"] == PHONE_ARM and r.get("ok")]
+    meta = machine(doc)
+    head = (f"{model}, `export-phone --backend xnnpack --scheme 8da4w --group 32 --head-bits 8` "
+            f"(its peaked random variant; GPTQ on {doc['settings']['gptq_samples']} x "
+            f"{doc['settings']['gptq_seqlen']} tokens)")
+    build = doc.get("builds", {}).get(PHONE_ARM)
+    if not runs or not build:
+        return f"{head}: no pass finished ({link})."
+    med = {k: _median([r["metrics"][k] for r in runs])
+           for k in ("decode_tok_s", "prefill_tok_s", "pte_bytes")}
+    ratio = runs[0]["extras"]["pte_ratio_vs_float32_params"]
+    partial = f" ({meta['partial']})" if meta["partial"] else ""
+    return (f"{head}: exported in {_fmt_s(build['wall_seconds'])} at a peak RssAnon of "
+            f"{build['rss']['peak_rss_anon_bytes'] / 2**30:.2f} GiB; model.pte "
+            f"{med['pte_bytes'] / 1e9:.2f} GB (×{ratio:.3f} of its float32 parameters); "
+            f"ExecuTorch's runtime, batch 1, {len(runs)} pass(es): decode "
+            f"{med['decode_tok_s']:.1f} tok/s, {doc['settings']['prompt_tokens']}-token prefill "
+            f"{med['prefill_tok_s']:.1f} tok/s. {meta['cpu']} ({meta['isa']}), git "
+            f"{meta['sha'][:7]}{partial}; `python -m benchmarks run scale --arms {model}:phone`; "
+            f"{link}." + (f" Note on this run: {doc['machine_note']}."
+                          if doc.get("machine_note") else ""))
 
 
 def _checks_line(model: str, part: str, doc: dict, link: str) -> str:

@@ -18,8 +18,15 @@ measured for time, memory and whether every runtime loads and runs it, never for
 - Cache: ``<cache>/shapes/<name>-seed<seed>-v<VERSION>``, written to a staging directory and
   renamed into place, so a killed write leaves nothing that looks whole.
 - Tokenizer and generation config files are the demo model's.
+- ``peaked``: a variant whose embedding (and untied head) is normal with standard deviation 1
+  instead of 0.02. The default's next-token distribution is flat (every logit within a near-tie
+  of the best), so a check that compares a quantized program's top-1 tokens with the float
+  model's fails on noise alone; the variant's logits are dominated by the embedding's
+  self-similarity, so such checks are decided, and pass trivially. The same shapes and the same
+  compute: for speed and memory of a command that refuses to write what it cannot verify
+  (``export-phone``). Cached apart (``-peaked`` in the directory's name).
 
-``python -m cpu_quant.models.shapes NAME [--seed N]`` writes one and prints its path.
+``python -m cpu_quant.models.shapes NAME [--seed N] [--peaked]`` writes one and prints its path.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from pathlib import Path
 from ..core.errors import CpuQuantError
 
 VERSION = 1  # bump when the weights' recipe changes: the cache key follows
+PEAKED_STD = 1.0  # the peaked variant's embedding and untied head (module docstring)
+PEAKED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 SHARD_BYTES = 2 * 1024 ** 3
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
@@ -149,9 +158,11 @@ def _shapes_of(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int = 0,
-                       shard_bytes: int = SHARD_BYTES, progress: bool = True) -> Path:
+                       shard_bytes: int = SHARD_BYTES, progress: bool = True,
+                       peaked: bool = False) -> Path:
     """Write the random checkpoint of ``shape`` to ``dst`` (bf16 shards, index, config,
-    generation config and the demo tokenizer), through a staging directory."""
+    generation config and the demo tokenizer), through a staging directory; ``peaked``: the
+    variant of the module docstring."""
     from tqdm import tqdm
 
     from ..core.io.artifact import copy_tokenizer_files, write_json_atomic, write_shard_index_at
@@ -183,7 +194,9 @@ def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int 
             fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = {}
             for name in names:
-                tensors[name] = random_tensor(name, shapes[name], config["initializer_range"], seed)
+                std = PEAKED_STD if peaked and name in PEAKED_TENSORS else \
+                    config["initializer_range"]
+                tensors[name] = random_tensor(name, shapes[name], std, seed)
                 bar.update(1)
             total += write_safetensors(staging / fname, tensors)
             del tensors
@@ -191,7 +204,8 @@ def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int 
         bar.close()
         write_shard_index_at(staging, files, total)
         config["cpu_quant_random_model"] = {"copies": shape.name, "seed": seed,
-                                            "version": VERSION}
+                                            "version": VERSION,
+                                            **({"peaked_std": PEAKED_STD} if peaked else {})}
         write_json_atomic(staging / "config.json", config)
         copy_tokenizer_files(demo_src, staging)
         if dst.exists():
@@ -210,16 +224,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def random_model_path(name: str, seed: int = 0, progress: bool = True) -> Path:
-    """The cached random checkpoint of the public model ``name`` (written on first use)."""
+def random_model_path(name: str, seed: int = 0, progress: bool = True, peaked: bool = False
+                      ) -> Path:
+    """The cached random checkpoint of the public model ``name`` (written on first use);
+    ``peaked``: its variant of the module docstring."""
     from .demo import cache_dir, demo_model_path
 
     if name not in SHAPES:
         raise CpuQuantError(f"no public shape named {name!r}; known: {', '.join(SHAPES)}")
-    target = cache_dir() / "shapes" / f"{name}-seed{seed}-v{VERSION}"
+    target = cache_dir() / "shapes" / f"{name}-seed{seed}{'-peaked' if peaked else ''}-v{VERSION}"
     if (target / "config.json").is_file() and (target / "model.safetensors.index.json").is_file():
         return target
-    return write_random_model(SHAPES[name], target, demo_model_path(), seed, progress=progress)
+    return write_random_model(SHAPES[name], target, demo_model_path(), seed, progress=progress,
+                              peaked=peaked)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +244,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description="write a random checkpoint of a public model's shape")
     parser.add_argument("name", choices=sorted(SHAPES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peaked", action="store_true",
+                        help="the variant with a unit-variance embedding (module docstring)")
     args = parser.parse_args(argv)
     try:
-        print(random_model_path(args.name, args.seed))
+        print(random_model_path(args.name, args.seed, peaked=args.peaked))
     except CpuQuantError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
