@@ -229,6 +229,7 @@ def test_an_image_window_is_what_the_model_feeds_its_language_model(tiny_vlm):
     assert torch.equal(ours, seen["embeds"][0])
 
 
+@pytest.mark.e2e  # a whole quantization of the tiny vision-language model
 def test_image_calibration_reaches_the_codes_and_is_stated(tiny_vlm, tmp_path):
     """With ``--image-samples`` the image windows' activations enter the Hessians: the codes
     differ from the text-only run's of the same windows and settings; the report, the card and
@@ -307,6 +308,7 @@ def _gguf_files(directory: Path) -> tuple[Path, Path]:
     return model[0], mmproj[0]
 
 
+@pytest.mark.e2e  # a whole quantization of the tiny vision-language model
 def test_gguf_writes_the_language_model_and_the_projector_file(tiny_vlm, tiny_vlm_formats):
     """The model file is a Llama decoder (the checkpoint's ``model.text_model.`` read as
     ``model.``) with every linear and the head Q4_0, and nothing of the vision tower; the
@@ -347,6 +349,7 @@ def test_gguf_writes_the_language_model_and_the_projector_file(tiny_vlm, tiny_vl
     assert not findings and source["kept_tensors"] == 38 and source["modules"] == 15, findings
 
 
+@pytest.mark.e2e  # a whole quantization of the tiny vision-language model
 def test_verify_refuses_a_projector_file_missing_a_tensor_or_cut_short(tiny_vlm, tiny_vlm_formats,
                                                                       tmp_path):
     """A projector file without the projector's weight, or truncated, is an error; and
@@ -395,6 +398,7 @@ def test_gguf_without_the_image_processors_settings_is_refused_before_work(tiny_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e  # a whole quantization of the tiny vision-language model
 def test_the_projector_file_is_llama_cpps_converters(tiny_vlm, tiny_vlm_formats, tmp_path):
     """Against llama.cpp's own converter (``convert_hf_to_gguf.py --mmproj --outtype bf16``
     of the same source, from the llama-cpp-python source the peer build holds): the same
