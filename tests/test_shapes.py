@@ -144,3 +144,21 @@ def _selection_parts(tmp_path):
 
     return _selection(SuiteOptions(smoke=False, workdir=tmp_path,
                                    arms=["Llama-3.2-1B:checks", "Llama-3.2-1B:rerun"]))
+
+
+def test_scale_phone_line_states_a_killed_export_with_its_peak():
+    """The committed 1B phone run, whose export the out-of-memory killer stopped: the results
+    page's line says it did not finish, how, and at what peak, not that it measured nothing."""
+    from pathlib import Path
+
+    from benchmarks.suites.scale import _phone_line
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
+        "scale-phone-Llama-3.2-1B-20261207T085654Z.json"
+    doc = json.loads(path.read_text())
+    line = _phone_line("Llama-3.2-1B", doc, "LINK")
+    peak = doc["builds"]["8da4w-head8"]["rss"]["peak_rss_anon_bytes"] / 2**30
+    assert "did not finish: killed (SIGKILL)" in line and f"{peak:.2f} GiB" in line, line
+    assert "GPTQ on 16 x 512 tokens" in line and line.rstrip().endswith(".")
+    doc["builds"]["8da4w-head8"]["exit_status"] = 0  # a build that finished but no pass did
+    assert "no pass finished" in _phone_line("Llama-3.2-1B", doc, "LINK")

@@ -297,11 +297,11 @@ def build(opts: SuiteOptions) -> list[Suite]:
         suite.settings["quantized_arms"] = "the scale-quantize part's artifact (default settings)"
         suite.notes.append("random weights (cpu_quant.models.shapes): speed and memory only")
         serve.append(suite)
-    phone = [_phone_suite(model, opts.workdir) for model in models if "phone" in selection[model]]
+    phone = [_phone_suite(model) for model in models if "phone" in selection[model]]
     return ([quantize] if arms else []) + serve + checks + phone
 
 
-def _phone_suite(model: str, workdir: Path) -> Suite:
+def _phone_suite(model: str) -> Suite:
     """The phone suite's :data:`PHONE_ARM` on the model's peaked variant, its GPTQ run on this
     suite's calibration size (module docstring)."""
     from cpu_quant.models.shapes import random_model_path
@@ -450,10 +450,21 @@ def _phone_line(model: str, doc: dict, link: str) -> str:
     and prefill (medians over the passes)."""
     runs = [r for r in doc["records"] if r["arm"] == PHONE_ARM and r.get("ok")]
     meta = machine(doc)
+    settings = doc["settings"] if "settings" in doc else doc["provenance"]["settings"]
     head = (f"{model}, `export-phone --backend xnnpack --scheme 8da4w --group 32 --head-bits 8` "
-            f"(its peaked random variant; GPTQ on {doc['settings']['gptq_samples']} x "
-            f"{doc['settings']['gptq_seqlen']} tokens)")
+            f"(its peaked random variant; GPTQ on {settings['gptq_samples']} x "
+            f"{settings['gptq_seqlen']} tokens)")
     build = doc.get("builds", {}).get(PHONE_ARM)
+    tail = (f" {meta['cpu']} ({meta['isa']}), git {meta['sha'][:7]}; "
+            f"`python -m benchmarks run scale --arms {model}:phone`; {link}.")
+    if build and build.get("exit_status") not in (0, None):
+        killed = build["exit_status"] == -9  # SIGKILL: the kernel's out-of-memory killer here
+        return (f"{head}: the export did not finish: "
+                + ("killed (SIGKILL) " if killed else f"exit status {build['exit_status']} ")
+                + f"after {_fmt_s(build['wall_seconds'])}, at a peak RssAnon of "
+                f"{build['rss']['peak_rss_anon_bytes'] / 2**30:.2f} GiB."
+                + tail + (f" Note on this run: {doc['machine_note']}."
+                          if doc.get("machine_note") else ""))
     if not runs or not build:
         return f"{head}: no pass finished ({link})."
     med = {k: _median([r["metrics"][k] for r in runs])
@@ -464,7 +475,7 @@ def _phone_line(model: str, doc: dict, link: str) -> str:
             f"{build['rss']['peak_rss_anon_bytes'] / 2**30:.2f} GiB; model.pte "
             f"{med['pte_bytes'] / 1e9:.2f} GB (×{ratio:.3f} of its float32 parameters); "
             f"ExecuTorch's runtime, batch 1, {len(runs)} pass(es): decode "
-            f"{med['decode_tok_s']:.1f} tok/s, {doc['settings']['prompt_tokens']}-token prefill "
+            f"{med['decode_tok_s']:.1f} tok/s, {settings['prompt_tokens']}-token prefill "
             f"{med['prefill_tok_s']:.1f} tok/s. {meta['cpu']} ({meta['isa']}), git "
             f"{meta['sha'][:7]}{partial}; `python -m benchmarks run scale --arms {model}:phone`; "
             f"{link}." + (f" Note on this run: {doc['machine_note']}."
