@@ -976,3 +976,29 @@ def test_demo_model_uncalibrated_codes_are_refused(demo_src: Path, artifacts_dir
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "before lowering: a quantization fault" in lines[0], lines
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.e2e  # lowers a program
+def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peaked_llama: Path
+                                                                             ) -> None:
+    """The quantized eager graphs (every method's weights folded to float32) are not held
+    through the lowering: the verification folds them again from the programs the lowering
+    took. That is exact only if the lowering leaves those programs as they were: the graphs
+    folded after it compute the logits of the graphs folded before it, bit for bit."""
+    from cpu_quant.export.pipeline import decide_weights, eager_graphs, lower_xnnpack, quantize_xnnpack
+
+    settings = small_settings(backend="xnnpack", scheme="8da8w", calib_samples=0)
+    model = load_static_lm(peaked_llama, settings.max_seq_len)
+    shape = settings.shape(model)
+    quantized = quantize_xnnpack(model, shape, settings,
+                                 decide_weights(peaked_llama, model, shape, settings, [], None), {})
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def logits(programs: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return StaticKVRunner(shape, *shape.step_pair(eager_graphs(programs))).score(ids)
+
+    before = logits(quantized.programs)
+    built = lower_xnnpack(quantized)
+    assert built.programs is quantized.programs and len(built.programs) == 2  # prefill, decode
+    assert torch.equal(logits(built.programs), before)

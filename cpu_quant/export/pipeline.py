@@ -170,20 +170,21 @@ class PhoneExportSettings:
 
 @dataclass
 class Quantized:
-    """The quantized programs (not yet lowered) with their eager graphs."""
+    """The quantized programs (not yet lowered). Their eager graphs (:func:`eager_graphs`)
+    are made where they are run and dropped after: they hold every method's weights folded to
+    float32, several times the program's size, which the lowering must not carry."""
 
     programs: dict  # method -> ExportedProgram
-    eager: dict[str, torch.nn.Module]  # method -> quantized eager graph
     calibration: dict
     extra_files: dict[str, str] = field(default_factory=dict)  # next to model.pte: name -> what
 
 
 @dataclass
 class Built:
-    """A lowered program with the eager graphs it must agree with."""
+    """A lowered program with the quantized programs it must agree with."""
 
     manager: object  # ExecutorchProgramManager
-    quantized: dict[str, torch.nn.Module]  # method -> quantized eager graph
+    programs: dict  # method -> the quantized ExportedProgram the lowering took
     calibration: dict
     extra_files: dict[str, str]  # written next to model.pte: name -> what it is
     qnn_lowering: str | None = None
@@ -219,11 +220,11 @@ def quantize_xnnpack(model: StaticCausalLM, shape: GraphShape, settings: PhoneEx
     if weights is not None:
         xnnpack.quantize_for_xnnpack(model, weights, settings.resolved_scheme)
     programs = export_methods({name: model for name in shape.methods()}, shape)
-    return Quantized(programs, eager_graphs(programs), calibration)
+    return Quantized(programs, calibration)
 
 
 def lower_xnnpack(q: Quantized) -> Built:
-    return Built(xnnpack.lower_to_xnnpack(q.programs), q.eager, q.calibration, q.extra_files)
+    return Built(xnnpack.lower_to_xnnpack(q.programs), q.programs, q.calibration, q.extra_files)
 
 
 def quantize_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExportSettings,
@@ -253,7 +254,7 @@ def quantize_qnn(model: StaticCausalLM, shape: GraphShape, settings: PhoneExport
     state = "calibrated" if calib_windows else "UNCALIBRATED"
     extra = {f"qnn_{name}.pt2": f"{state} quantized program (torch.export) for QNN lowering"
              for name in programs}
-    return Quantized(programs, eager_graphs(programs), calibration, extra)
+    return Quantized(programs, calibration, extra)
 
 
 def lower_qnn(q: Quantized, shape: GraphShape, settings: PhoneExportSettings) -> Built:
@@ -263,7 +264,7 @@ def lower_qnn(q: Quantized, shape: GraphShape, settings: PhoneExportSettings) ->
     else:
         manager = qnn.lower_to_portable(q.programs)
         lowering = "not-done"
-    return Built(manager, q.eager, q.calibration, q.extra_files, lowering, q.programs)
+    return Built(manager, q.programs, q.calibration, q.extra_files, lowering, q.programs)
 
 
 def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
@@ -526,7 +527,11 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     else:
         quantized = quantize_xnnpack(model, shape, settings, weights,
                                      _calibration_record(settings, calib_windows, weights))
-    quantized_scores = score_heldout(shape, shape.step_pair(quantized.eager), heldout)
+    eager = eager_graphs(quantized.programs)
+    quantized_scores = score_heldout(shape, shape.step_pair(eager), heldout)
+    # every method's weights folded to float32 (5 GB per method at 1B): not carried through
+    # the lowering, whose own copies they would add to; made again for the verification
+    del eager
     failures = screen(scheme, quantized_scores, float_scores)
     if failures:
         raise VerificationFailed("the quantized model falls below the " + scheme + " floors "
@@ -551,7 +556,7 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     t = time.perf_counter()
     stored = check_stored_weights(settings, pte, built, weights)
     arms = {"pte": pte_step_functions(pte, shape),
-            "quantized": shape.step_pair(built.quantized)}
+            "quantized": shape.step_pair(eager_graphs(built.programs))}
     bar = tqdm(total=len(heldout) + len(prompts), desc="verifying", disable=not progress)
     result = verify(scheme, shape, arms, heldout, prompts, prompt_texts, settings.gen_tokens,
                     tok.decode, tok.eos_token_id, progress=bar.update,
