@@ -39,6 +39,7 @@ from cpu_quant.quantize.gptq import GridSpec
 from cpu_quant.quantize.schedule import ROW_ALIGN, LocalRows, Piece, QuantJob, quantize_linears
 
 from .conftest import CLI, REPO
+from .helpers.processes import alive, children
 
 # A small calibration the tiny model takes in seconds: 8 windows of 64 tokens in 4 batches (a
 # rank needs at least one batch), from a short text so the tokenizer has little to read.
@@ -264,21 +265,6 @@ def test_a_rank_whose_launcher_is_gone_ends_itself():
     assert orphan.returncode == -signal.SIGKILL, (orphan.returncode, orphan.stderr[-2000:])
 
 
-def _children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out.update(int(c) for c in (task / "children").read_text().split())
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.e2e
 def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tmp_path):
     """SIGKILL to the ``--nproc 2`` launcher (which then cannot stop its ranks; they run in
@@ -296,14 +282,14 @@ def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tm
         while not (tmp_path / ".out.partial").is_dir():
             assert launcher.poll() is None and time.monotonic() < deadline, "the run never started"
             time.sleep(0.05)
-        ranks = _children(launcher.pid)
+        ranks = children(launcher.pid)
         assert len(ranks) == 2, ranks
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [r for r in ranks if _alive(r)]
+        left = [r for r in ranks if alive(r)]
         for r in left:  # this test's own processes: never leave them behind
             os.kill(r, signal.SIGKILL)
         assert not left, f"ranks {left} outlived their launcher"

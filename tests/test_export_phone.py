@@ -1002,3 +1002,43 @@ def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peak
     built = lower_xnnpack(quantized)
     assert built.programs is quantized.programs and len(built.programs) == 2  # prefill, decode
     assert torch.equal(logits(built.programs), before)
+
+
+@pytest.mark.e2e  # a real export's GPTQ run
+def test_a_killed_export_leaves_no_gptq_run_behind(peaked_llama: Path, tmp_path: Path) -> None:
+    """SIGKILL to export-phone while its spawned GPTQ run works: the run ends within seconds
+    (it would otherwise go on computing, for an hour at 1B, with nobody to take its codes),
+    and OUT never appears."""
+    import signal
+    import time
+
+    from .conftest import CLI
+    from .helpers.processes import alive, children, cmdline
+
+    out = tmp_path / "out"
+    export = subprocess.Popen([*CLI, "export-phone", str(peaked_llama), str(out), "--backend",
+                               "xnnpack", "--scheme", "8da4w", "--samples", "256", "--seqlen",
+                               "64", *SINGLE_METHOD_CLI], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        runs: list[int] = []
+        while not runs:
+            assert export.poll() is None and time.monotonic() < deadline, "no GPTQ run started"
+            runs = [c for c in children(export.pid) if "spawn_main" in cmdline(c)]
+            time.sleep(0.05)
+        time.sleep(1)  # into the run's work
+        assert all(alive(r) for r in runs)
+        export.send_signal(signal.SIGKILL)
+        export.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(r) for r in runs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [r for r in runs if alive(r)]
+        for r in left:  # this test's own processes: never leave them behind
+            os.kill(r, signal.SIGKILL)
+        assert not left, f"the GPTQ run {left} outlived the export"
+        assert not out.exists()
+    finally:
+        if export.poll() is None:
+            export.kill()

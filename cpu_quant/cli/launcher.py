@@ -29,6 +29,7 @@ import uuid
 import click
 
 from ..core.errors import CpuQuantError
+from ..core.process import die_with
 
 SHUTDOWN_SECONDS = 10  # a stopped run's other ranks: SIGTERM, then SIGKILL after this
 LAUNCHER_NAME = "cpu-quant --nproc"
@@ -36,7 +37,6 @@ LAUNCHER_PID_ENV = "CPU_QUANT_LAUNCHER_PID"  # the process a rank dies with
 # Ranks beyond this many per CPU only time-share the CPUs, each holding its own layer and
 # activations; it still lets a 1-CPU test machine run the 2-, 3- and 4-rank runs.
 MAX_RANKS_PER_CPU = 4
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def host_cpus() -> int:
@@ -70,14 +70,8 @@ def die_with_launcher() -> None:
     launcher ends, however it ends (a SIGKILL to it included: the elastic agent then cannot
     stop its ranks itself, and they run in sessions of their own). Nothing elsewhere."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")  # not for this rank's own children
-    if not launcher.isdigit() or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != int(launcher):  # it ended before the request was made
-        os.kill(os.getpid(), signal.SIGKILL)
+    if launcher.isdigit():
+        die_with(int(launcher))
 
 
 def launch_ranks(nproc: int, argv: list[str], threads: int | None) -> int:

@@ -25,6 +25,7 @@ Output directory:
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -382,11 +383,15 @@ def gptq_command(settings: PhoneExportSettings) -> list[str]:
     return argv
 
 
-def run_gptq(src: Path, target: Path, gptq, threads: int, progress: bool, result) -> None:
+def run_gptq(src: Path, target: Path, gptq, threads: int, progress: bool, result,
+             parent: int) -> None:
     """The export's GPTQ run, in the process :func:`gptq_codes` spawns for it; sends None, or
-    the error that stopped it, through the pipe end ``result``."""
+    the error that stopped it, through the pipe end ``result``. It dies with ``parent``, the
+    exporting process, however that ends (a killed export leaves no run computing on)."""
+    from ..core.process import die_with
     from ..quantize.pipeline import quantize_checkpoint
 
+    die_with(parent)
     torch.set_num_threads(threads)
     try:
         quantize_checkpoint(src, target, gptq, progress=progress)
@@ -419,7 +424,8 @@ def gptq_codes(src: Path, settings: PhoneExportSettings, staged: StagedOutput, p
     spawn = get_context("spawn")
     receive, send = spawn.Pipe(duplex=False)
     proc = spawn.Process(target=run_gptq, args=(src, target, settings.gptq_settings(),
-                                                torch.get_num_threads(), progress, send))
+                                                torch.get_num_threads(), progress, send,
+                                                os.getpid()))
     proc.start()
     send.close()
     try:

@@ -1,0 +1,29 @@
+"""A child process that must not outlive the process that started it.
+
+:func:`die_with` asks the kernel to SIGKILL the calling process when its parent ends, however
+the parent ends (a SIGKILL to it included, when it can do nothing itself), and kills the caller
+at once if the parent is already gone. Used by the ranks that ``cpu-quant gptq --nproc`` starts
+and by the GPTQ run that ``export-phone`` spawns: neither may go on computing, or writing into
+a directory, after the command that wanted its result has ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL this process when ``parent``, its parent process, ends (Linux; elsewhere
+    nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the request was made
+        os.kill(os.getpid(), signal.SIGKILL)
