@@ -39,7 +39,7 @@ from cpu_quant.quantize.gptq import GridSpec
 from cpu_quant.quantize.schedule import ROW_ALIGN, LocalRows, Piece, QuantJob, quantize_linears
 
 from .conftest import CLI, REPO
-from .helpers.processes import alive, children
+from .helpers.processes import children, kill_and_list_survivors
 
 # A small calibration the tiny model takes in seconds: 8 windows of 64 tokens in 4 batches (a
 # rank needs at least one batch), from a short text so the tokenizer has little to read.
@@ -270,7 +270,6 @@ def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tm
     """SIGKILL to the ``--nproc 2`` launcher (which then cannot stop its ranks; they run in
     sessions of their own) once the run is writing: both ranks end within seconds, and DST
     never appears (an orphaned rank would finish the run and write it after the failure)."""
-    import signal
     import time
 
     dst = tmp_path / "out"
@@ -284,14 +283,7 @@ def test_ranks_die_with_a_killed_launcher_and_write_nothing(tiny, calib_text, tm
             time.sleep(0.05)
         ranks = children(launcher.pid)
         assert len(ranks) == 2, ranks
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 10
-        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [r for r in ranks if alive(r)]
-        for r in left:  # this test's own processes: never leave them behind
-            os.kill(r, signal.SIGKILL)
+        left = kill_and_list_survivors(launcher, ranks)
         assert not left, f"ranks {left} outlived their launcher"
         time.sleep(2)
         assert not dst.exists()

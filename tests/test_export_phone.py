@@ -1009,11 +1009,10 @@ def test_a_killed_export_leaves_no_gptq_run_behind(peaked_llama: Path, tmp_path:
     """SIGKILL to export-phone while its spawned GPTQ run works: the run ends within seconds
     (it would otherwise go on computing, for an hour at 1B, with nobody to take its codes),
     and OUT never appears."""
-    import signal
     import time
 
     from .conftest import CLI
-    from .helpers.processes import alive, children, cmdline
+    from .helpers.processes import alive, children, cmdline, kill_and_list_survivors
 
     out = tmp_path / "out"
     export = subprocess.Popen([*CLI, "export-phone", str(peaked_llama), str(out), "--backend",
@@ -1029,14 +1028,7 @@ def test_a_killed_export_leaves_no_gptq_run_behind(peaked_llama: Path, tmp_path:
             time.sleep(0.05)
         time.sleep(1)  # into the run's work
         assert all(alive(r) for r in runs)
-        export.send_signal(signal.SIGKILL)
-        export.wait()
-        deadline = time.monotonic() + 10
-        while any(alive(r) for r in runs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = [r for r in runs if alive(r)]
-        for r in left:  # this test's own processes: never leave them behind
-            os.kill(r, signal.SIGKILL)
+        left = kill_and_list_survivors(export, runs)
         assert not left, f"the GPTQ run {left} outlived the export"
         assert not out.exists()
     finally:

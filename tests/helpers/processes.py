@@ -28,3 +28,22 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def kill_and_list_survivors(parent, pids, seconds: float = 10.0) -> list[int]:
+    """SIGKILL the ``subprocess.Popen`` ``parent``, give ``pids`` (what it started) ``seconds``
+    to end with it, and return those still running, after killing them too: a test never
+    leaves its own processes behind."""
+    import os
+    import signal
+    import time
+
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
