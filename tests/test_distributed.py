@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bit_identity import compare
+from benchmarks.bit_identity import compare, differences, output_digests
 from cpu_quant.core.grid import GroupQuant
 from cpu_quant.models.tiny import make_tiny_model
 from cpu_quant.quantize import schedule
@@ -45,6 +45,8 @@ from .helpers.processes import children, kill_and_list_survivors
 # rank needs at least one batch), from a short text so the tokenizer has little to read.
 TINY_CALIB = ["--samples", "8", "--seqlen", "64", "--batch-size", "2", "--group", "32",
               "--no-eval", "--threads", "1"]
+# the main job's three formats from one run: the ranks must write every tensor and GGUF byte
+FORMATS = ["--format", "gptq,cpu_int4,gguf"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
@@ -167,9 +169,11 @@ def calib_text(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tiny, calib_text, tmp_path_factory) -> Path:
-    """The single process's artifact of the tiny model (one thread)."""
+    """The single process's artifacts of the tiny model (one thread): ``DIR/gptq``,
+    ``DIR/cpu_int4``, ``DIR/gguf``."""
     dst = tmp_path_factory.mktemp("solo") / "out"
-    proc = _run([*CLI, "gptq", str(tiny), str(dst), "--calib", str(calib_text), *TINY_CALIB])
+    proc = _run([*CLI, "gptq", str(tiny), str(dst), "--calib", str(calib_text), *TINY_CALIB,
+                 *FORMATS])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dst
 
@@ -179,13 +183,21 @@ def _same(a: Path, b: Path) -> None:
     assert got["identical"], {k: v for k, v in got.items() if v}
 
 
+def _same_formats(a: Path, b: Path) -> None:
+    """Every tensor of both safetensors formats and every byte of the GGUF file equal."""
+    ours, theirs = output_digests(a), output_digests(b)
+    assert any(k.endswith(".gguf") for k in ours) and any(k.startswith("cpu_int4/") for k in ours)
+    assert not any(differences(ours, theirs).values()), differences(ours, theirs)
+
+
 @pytest.mark.e2e
 def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp_path):
     """2 ranks by torchrun, 3 and 4 by --nproc (4 at two threads each, the single process at
-    one): the same tensors (the smoothing factors included, whose 2 statistics batches leave 3
-    and 4 ranks some without any), bit for bit, and the report records the world size, each
-    rank's batches (disjoint, in order, all of them), threads and time."""
-    args = ["gptq", str(tiny), "--calib", str(calib_text), *TINY_CALIB]
+    one), each writing GPTQ, cpu_int4 and GGUF from one run: the same tensors (the smoothing
+    factors included, whose 2 statistics batches leave 3 and 4 ranks some without any), bit
+    for bit, the same GGUF bytes, and the report records the world size, each rank's batches
+    (disjoint, in order, all of them), threads and time."""
+    args = ["gptq", str(tiny), "--calib", str(calib_text), *TINY_CALIB, *FORMATS]
     runs = {2: [*TORCHRUN, "--nproc-per-node", "2", "-m", "cpu_quant", *args[:2],
                 str(tmp_path / "r2"), *args[2:]]}
     for n in (3, 4):
@@ -194,8 +206,8 @@ def test_ranks_write_the_one_process_artifact(tiny, calib_text, one_process, tmp
     for n, argv in runs.items():
         proc = _run(argv)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        _same(one_process, tmp_path / f"r{n}")
-        report = json.loads((tmp_path / f"r{n}" / "quantization_report.json").read_text())
+        _same_formats(one_process, tmp_path / f"r{n}")
+        report = json.loads((tmp_path / f"r{n}" / "gptq" / "quantization_report.json").read_text())
         assert report["smoothing"]["folds"]  # the default folds smoothing: split over the ranks
         dist = report["distributed"]
         assert dist["world_size"] == n and dist["backend"] == "gloo"
@@ -231,7 +243,7 @@ def test_a_killed_rank_stops_the_run_in_one_line_and_resume_finishes_it(
     assert saved == 1 and "layer 1 of 2 is saved" in errors[0] and "--resume" in errors[0]
     proc = _run([*argv, "--resume"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _same(one_process, dst)
+    _same(one_process / "gptq", dst)
 
 
 @pytest.mark.e2e
@@ -362,24 +374,3 @@ def test_more_ranks_than_batches_is_refused(tiny, calib_text, tmp_path):
     assert proc.returncode == 2
     assert _errors(proc.stderr) == ["error: 3 ranks need at least 3 calibration batches, there "
                                     "are 1: raise --samples or lower --batch-size"]
-
-
-@pytest.mark.e2e
-def test_two_ranks_write_the_demo_models_three_formats(demo_src, demo_formats, tmp_path):
-    """The end-to-end tier's shared demo quantization (GPTQ, cpu_int4 and GGUF from one run,
-    small calibration: 2 batches, torch's default threads), again as two torchrun ranks of
-    three threads each: every tensor of both safetensors formats and every byte of the GGUF
-    file equal."""
-    from .conftest import SMALL_CALIB
-
-    dst = tmp_path / "demo"
-    proc = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "cpu_quant", "gptq", str(demo_src),
-                 str(dst), "--group", "128", *SMALL_CALIB, "--no-eval",
-                 "--format", "gptq,cpu_int4,gguf", "--threads", "3"],
-                timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for fmt in ("gptq", "cpu_int4"):
-        _same(demo_formats / fmt, dst / fmt)
-    ours, theirs = sorted((dst / "gguf").glob("*.gguf")), sorted((demo_formats / "gguf").glob("*.gguf"))
-    assert [p.name for p in ours] == [p.name for p in theirs] and ours
-    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(ours, theirs, strict=True))

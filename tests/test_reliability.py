@@ -50,21 +50,38 @@ def _wait_for_layers(staging: Path, proc: subprocess.Popen, layers: int, timeout
     raise AssertionError("timed out waiting for a completed layer")
 
 
+def _deep_tiny_model(demo_src: Path, dst: Path, layers: int = 12) -> Path:
+    """The tiny Llama made deeper, so that a signal sent after a layer arrives before the end."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    make_tiny_model("llama", dst, demo_src)
+    config = AutoConfig.from_pretrained(dst)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(dst)
+    return dst
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path):
+def test_sigkill_then_resume_is_bit_identical(demo_src, tmp_path):
     """A real run killed after two layers resumes to the uninterrupted run's artifact, bit for
     bit. The killed run keeps its activations on disk (--offload-activations: one file per
     calibration batch per generation, never the in-memory checkpoint) and the resume holds them
     in memory: where activations live is not part of the fingerprint and changes nothing."""
+    src = _deep_tiny_model(demo_src, tmp_path / "deep")
+    common = ["--group", "32", *SMALL_CALIB, "--no-eval"]
+    run_cli("gptq", str(src), str(tmp_path / "whole"), *common)
     dst = tmp_path / "resumed"
     staging = tmp_path / ".resumed.partial"
-    args = ["gptq", str(demo_src), str(dst), "--group", "128", *SMALL_CALIB, "--no-eval"]
+    args = ["gptq", str(src), str(dst), *common]
     proc = _start(*args, "--offload-activations")
     _wait_for_layers(staging, proc, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not dst.exists()
+    if dst.exists():
+        pytest.fail("the run finished before SIGKILL reached it; make the model deeper")
     done = json.loads((staging / "cpu_quant_state.json").read_text())["completed_layers"]
+    assert 2 <= done < 12
     gen = staging / "activations" / f"gen-{done:05d}"
     assert sorted(p.name for p in gen.iterdir()) == ["batch-00000.safetensors", "batch-00001.safetensors"]
     assert not list(staging.glob("cpu_quant_hidden*"))
@@ -73,12 +90,12 @@ def test_sigkill_then_resume_is_bit_identical(demo_src, gptq_artifact, tmp_path)
     refused = run_cli(*args[:-1], "--samples", "8", "--no-eval", "--resume", check=False)
     assert refused.returncode != 0 and "cannot resume" in refused.stderr
     run_cli(*args, "--resume")
-    expected, got = _tensors(gptq_artifact), _tensors(dst)
+    expected, got = _tensors(tmp_path / "whole"), _tensors(dst)
     assert sorted(expected) == sorted(got)
     for name, tensor in expected.items():
         assert torch.equal(tensor, got[name]), name
     report = json.loads((dst / "quantization_report.json").read_text())
-    assert len(report["layer_seconds"]) == 30 and len(report["tensors"]) == 211
+    assert len(report["layer_seconds"]) == 12 and len(report["tensors"]) == 12 * 7 + 1
     assert not staging.exists() and not (dst / "activations").exists()
 
 
@@ -101,17 +118,7 @@ def test_offloaded_run_equals_in_memory_run(tiny_llama, tmp_path):
 
 @pytest.mark.slow  # a real multi-second run: the end-to-end tier keeps the unit tier under 10 minutes
 def test_ctrl_c_during_the_layers_stops_and_resumes(demo_src, tmp_path):
-    src = tmp_path / "deep"
-    make_tiny_model("llama", src, demo_src)
-    cfg = json.loads((src / "config.json").read_text())
-    # a deeper tiny model, so that the signal arrives after a layer and before the end
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(src)
-    config.num_hidden_layers = 12
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(src)
-    assert cfg["model_type"] == "llama"
+    src = _deep_tiny_model(demo_src, tmp_path / "deep")
     dst = tmp_path / "out"
     args = ["gptq", str(src), str(dst), "--group", "32", "--samples", "32", "--seqlen", "256", "--no-eval"]
     proc = _start(*args)

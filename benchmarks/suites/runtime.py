@@ -101,6 +101,11 @@ def build(opts: SuiteOptions) -> Suite:
         for arm in tb.HEAD_ARMS:
             skipped.append(SkippedArm(arm, "smoke: the gptq arm runs the same kernels"))
             wanted.remove(arm)
+        # the harness serves it as it serves the gptq arm; its engine path (the plugin's
+        # cpu_int4 kernel from the checkpoint's config) is tests/test_tinygemm.py's vLLM test
+        skipped.append(SkippedArm("cpu_int4", "smoke: the harness serves it as the gptq arm; "
+                                  "its engine path is tested by test_tinygemm.py"))
+        wanted.remove("cpu_int4")
     if not opts.arms:
         for arm in tb.AMX_ARMS:
             if opts.smoke:  # speed only: tinygemm's engine path is the cpu_int4 arm's

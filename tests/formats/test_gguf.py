@@ -139,6 +139,27 @@ def test_unpack_reads_back_what_was_written(tiny_files, arch: str) -> None:
         assert torch.equal(back[m].codes, ref.codes) and torch.equal(back[m].scales, ref.scales), m
 
 
+def test_our_reader_parses_what_gguf_py_parses(tiny_files) -> None:
+    """verify, inspect and unpack open a file through gguf-py's parser over a plain view of
+    the mapping: every field (its parts and types) and every tensor (name, type, shape,
+    offset, bytes) is the one gguf-py's own reader gives."""
+    from cpu_quant.formats.gguf.mapped import read_gguf
+
+    path = tiny_files["llama"][0]
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    assert not isinstance(ours.data, np.memmap) and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type, list(mine.shape), mine.data_offset) == \
+            (t.name, t.tensor_type, list(t.shape), t.data_offset)
+        assert np.array_equal(mine.data, t.data), t.name
+
+
 def test_metadata_follows_the_converter(tiny_files) -> None:
     path, _, cfg = tiny_files["gemma2"]
     r = gguf.GGUFReader(path)

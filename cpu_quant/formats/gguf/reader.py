@@ -18,6 +18,7 @@ from ...core.grid import GroupQuant
 from .architectures import ARCHITECTURES, LINEARS, ArchSpec, _head_dim, unpermute_rope_rows
 from .block_types import QUANT_TYPES
 from .experts import expected_moe_tensors, expert_modules, unstack
+from .mapped import read_gguf
 from .q4_0 import BLOCK_BYTES, F32, Q4_0, unpack_q4_0
 from .vision import LANGUAGE_PREFIX_KEY, MMPROJ_PREFIX
 
@@ -73,7 +74,7 @@ def _reader_config(reader: gguf.GGUFReader) -> tuple[ArchSpec, dict]:
 
 def _open(path: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(path)
+        return read_gguf(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CpuQuantError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0][:200]})") from None
 
@@ -196,7 +197,7 @@ def verify(path: Path, source_config: dict | None = None) -> list[Finding]:
     if found:
         return found
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as e:  # gguf-py raises assorted errors on a damaged header or a short file
         return [error("gguf-read", path.name, f"unreadable: {type(e).__name__}: {str(e)[:200]}")]
     arch = _field_value(reader, "general.architecture")

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from ...core.errors import CpuQuantError
 from ...core.findings import Finding, error, info
 from ...core.vision_language import family_of
+from .mapped import read_gguf
 
 MMPROJ_PREFIX = "mmproj-"
 # the key of the language model's file naming the checkpoint prefix its decoder had, so that
@@ -266,7 +267,7 @@ def verify_mmproj(path: Path) -> list[Finding]:
     shapes and the projector's, and no data past the end of the file."""
     path = Path(path)
     try:
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
     except Exception as e:  # gguf-py raises assorted errors on a damaged header or a short file
         return [error("mmproj-read", path.name, f"unreadable: {type(e).__name__}: {str(e)[:200]}")]
     found = [error("mmproj-metadata", key, "missing") for key in MMPROJ_KEYS
@@ -303,7 +304,7 @@ def verify_mmproj(path: Path) -> list[Finding]:
 
 def inspect_mmproj(path: Path) -> dict:
     """The projector file's summary: projector type, tensors and their types, bytes."""
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     types: dict[str, int] = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -317,7 +318,7 @@ def inspect_mmproj(path: Path) -> dict:
 def mmproj_tensors(path: Path, cfg: dict, hf_names: list[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
     """For each checkpoint name of a kept tensor, the projector file's tensor of that name as
     stored (BF16 as bf16, F32 as float32), or None where the file lacks it."""
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     n_blocks = int(cfg["vision_config"]["num_hidden_layers"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, n_blocks)
     tensors = {t.name: t for t in reader.tensors}
