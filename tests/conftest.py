@@ -91,10 +91,10 @@ LONGEST_FIRST = (
     "test_runtime_patches.py",  # seven engine starts, ~710 s
     "test_runtime_suite_smoke",  # three engine starts through the harness, ~155 s
     "test_tinygemm.py",  # a calibrated cpu_int4 run and an engine start, ~350 s
-    "test_two_ranks_write_the_demo_models_three_formats",  # ~90 s
+    "test_ranks_write_the_one_process_artifact",  # nine rank processes, ~135 s
     "test_phone_suite_smoke",  # two ExecuTorch exports, ~90 s
     "test_peer_loaders.py",  # GPTQModel's loader in its own venv, ~50 s
-    "test_sigkill_then_resume_is_bit_identical",  # ~70 s
+    "test_sigkill_then_resume_is_bit_identical",  # three runs of a 12-layer tiny model, ~90 s
     "test_fidelity_ordering_on_heldout_text",  # two more demo-model runs, ~190 s
     "test_export_phone.py",  # the tiny model's exports, ~320 s
 )
