@@ -89,7 +89,7 @@ LONGEST_FIRST = (
     "test_scale.py",  # writes and quantizes a 1.2B-parameter model, then serves it
     "test_demo_model_8da4w_holds_the_gptq_codes",  # ~330 s with its group-32 GPTQ run
     "test_runtime_patches.py",  # seven engine starts, ~710 s
-    "test_runtime_suite_smoke",  # three engine starts through the harness, ~155 s
+    "test_runtime_suite_smoke",  # two engine starts through the harness, ~120 s
     "test_tinygemm.py",  # a calibrated cpu_int4 run and an engine start, ~350 s
     "test_ranks_write_the_one_process_artifact",  # nine rank processes, ~135 s
     "test_phone_suite_smoke",  # two ExecuTorch exports, ~90 s

@@ -213,3 +213,37 @@ def test_the_judging_copy_sits_on_no_grid_and_a_zero_perturbation_is_refused(tin
     assert (again / "model.safetensors").read_bytes() == (moved / "model.safetensors").read_bytes()
     with pytest.raises(CpuQuantError, match="still on a grid"):
         perturb_off_grid(on_grid, tmp_path / "unmoved", rel=0.0)
+
+
+def test_the_built_in_texts_token_ids_are_kept_and_read_back_the_same(demo_src, tmp_path,
+                                                                       monkeypatch):
+    """The built-in texts' token ids are kept in the cache directory, read back instead of
+    tokenizing again, equal to a fresh tokenization; a file that cannot be read is tokenized
+    again and rewritten; another tokenizer definition, or other texts, get their own file;
+    a user's text is never kept."""
+    from cpu_quant.core.io.checkpoint import load_tokenizer
+    from cpu_quant.data import corpus
+
+    monkeypatch.setenv("CPU_QUANT_CACHE", str(tmp_path))
+    tok = load_tokenizer(demo_src)
+    texts = [t[:20000] for t in builtin_split("heldout")]
+    fresh = corpus._tokenize(tok, texts)
+    assert corpus.token_ids(tok, texts, cache=True) == fresh
+    (kept,) = (tmp_path / corpus.TOKEN_CACHE).iterdir()
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    with monkeypatch.context() as m:
+        m.setattr(corpus, "_tokenize", no_tokenizing)
+        assert corpus.token_ids(tok, texts, cache=True) == fresh
+        windows = corpus.token_windows(tok, texts, 4, 64, cache=True)
+    assert windows == corpus.token_windows(tok, texts, 4, 64)
+    kept.write_bytes(kept.read_bytes()[:100])  # damaged
+    assert corpus.token_ids(tok, texts, cache=True) == fresh
+    assert corpus.token_ids(tok, texts[:3], cache=True) == corpus._tokenize(tok, texts[:3])
+    tok.add_tokens(["<cpu-quant-test-token>"])
+    corpus.token_ids(tok, texts, cache=True)
+    assert len(list((tmp_path / corpus.TOKEN_CACHE).glob("*.npy"))) == 3
+    corpus.token_ids(tok, ["a user's text"] * 3)
+    assert len(list((tmp_path / corpus.TOKEN_CACHE).iterdir())) == 3

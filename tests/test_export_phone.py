@@ -984,7 +984,9 @@ def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peak
     """The quantized eager graphs (every method's weights folded to float32) are not held
     through the lowering: the verification folds them again from the programs the lowering
     took. That is exact only if the lowering leaves those programs as they were: the graphs
-    folded after it compute the logits of the graphs folded before it, bit for bit."""
+    folded after it compute the logits of the graphs folded before it, bit for bit. The
+    lowering takes one method at a time (to bound its memory), and writes the bytes of
+    ExecuTorch's lowering of every method at once."""
     from cpu_quant.export.pipeline import decide_weights, eager_graphs, lower_xnnpack, quantize_xnnpack
 
     settings = small_settings(backend="xnnpack", scheme="8da8w", calib_samples=0)
@@ -1002,6 +1004,14 @@ def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peak
     built = lower_xnnpack(quantized)
     assert built.programs is quantized.programs and len(built.programs) == 2  # prefill, decode
     assert torch.equal(logits(built.programs), before)
+    # the methods, lowered one at a time and put together, make the program that ExecuTorch's
+    # lowering of both at once makes, byte for byte
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    joint = to_edge_transform_and_lower(quantized.programs, partitioner=[XnnpackPartitioner()])
+    joint = joint.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
+    assert built.manager.buffer == joint.buffer
 
 
 @pytest.mark.e2e  # a real export's GPTQ run

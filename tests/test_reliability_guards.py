@@ -85,6 +85,33 @@ def test_resume_after_a_kill_between_the_activations_and_the_state(hostile_bases
     nothing_beside(dst)
 
 
+def test_a_refused_resume_is_refused_before_the_smoothing_pass(hostile_bases: Bases, tmp_path,
+                                                              monkeypatch):
+    """A resume with other settings, and one whose state file is damaged, stop with the resume's
+    own line before the smoothing pass (the statistics forward and the choice of strengths: the
+    longest step before the layers), and leave the interrupted run as it was."""
+    from cpu_quant.quantize import smooth_fold
+
+    def no_smoothing(*args, **kwargs):
+        raise AssertionError("the smoothing pass ran before the resume was refused")
+
+    monkeypatch.setattr(smooth_fold, "plan_smoothing", no_smoothing)
+    staging = Path(shutil.copytree(hostile_bases.partial / ".out.partial",
+                                   tmp_path / ".out.partial"))
+    before = tree_digest(staging)
+    argv = ["gptq", hostile_bases.model, tmp_path / "out", "--group", "32", "--seqlen", "32",
+            "--batch-size", "1", "--no-eval", "--calib", hostile_bases.calib, "--resume"]
+    out = invoke([*argv, "--samples", "3"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr[-2000:] + repr(out.exception)
+    assert "cannot resume: the settings, formats or compute dtype" in out.stderr, out.stderr
+    assert tree_digest(staging) == before
+    (staging / "cpu_quant_state.json").write_text("{")
+    out = invoke([*argv, "--samples", "2"])
+    assert out.exit_code != 0 and not out.traceback, out.stderr[-2000:] + repr(out.exception)
+    assert "is corrupted; run without --resume" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_phone_settings_errors_name_only_real_flags():
     """Settings only the Python API sets are named as fields, never as flags that do not exist
     (the flags' own errors are in the corpus)."""

@@ -43,7 +43,7 @@ from functools import cache
 from pathlib import Path
 
 from ..core.errors import CpuQuantError
-from .corpus import builtin_split, load_texts, token_windows
+from .corpus import BUILTIN, builtin_split, load_texts, token_windows
 
 logger = logging.getLogger("cpu_quant.data")
 
@@ -184,7 +184,8 @@ def mix_windows(tokenizer, n_samples: int, seqlen: int) -> list[list[int]]:
     for domain in MIX:
         count = window_counts(n_samples)[domain.name]
         if count:
-            windows += token_windows(tokenizer, domain_texts(domain, tokenizer), count, seqlen)
+            windows += token_windows(tokenizer, domain_texts(domain, tokenizer), count, seqlen,
+                                     cache=True)
     return windows
 
 
@@ -199,7 +200,8 @@ class Calibration:
     def windows(self, tokenizer, n_samples: int, seqlen: int) -> list[list[int]]:
         if self.texts is None:
             return mix_windows(tokenizer, n_samples, seqlen)
-        return token_windows(tokenizer, list(self.texts), n_samples, seqlen)
+        return token_windows(tokenizer, list(self.texts), n_samples, seqlen,
+                             cache=self.name == BUILTIN)
 
 
 DEFAULT_CALIBRATION = "mix"  # measured: docs/gptq.md#calibration-text
@@ -220,6 +222,11 @@ def load_calibration(calib: str | Path | None) -> Calibration:
         check_mix()
         return Calibration(MIX_NAME, None)
     return Calibration(calib, tuple(load_texts(calib, "calibration")))
+
+
+def builtin_text(text: str | None) -> bool:
+    """Whether ``eval --text`` names a built-in text (its token ids may be cached)."""
+    return text is None or text == BUILTIN or text in HELDOUT
 
 
 def heldout_texts(text: str | None, tokenizer) -> list[str]:

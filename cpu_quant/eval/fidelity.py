@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..core.errors import CpuQuantError
 from ..core.io.checkpoint import load_tokenizer, model_context, open_checkpoint
 from ..data.corpus import token_windows
-from ..data.mix import check_heldout, heldout_texts
+from ..data.mix import builtin_text, check_heldout, heldout_texts
 from ..quantize.hessians import int8_per_token
 from . import stats
 from .reference_logits import (
@@ -93,8 +93,10 @@ def _heldout_texts(settings: EvalSettings, tokenizer) -> list[str]:
 def _eval_windows(tokenizer, settings: EvalSettings, texts: list[str] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     texts = texts if texts is not None else _heldout_texts(settings, tokenizer)
+    cache = builtin_text(settings.text)  # texts: settings.text's, the callers' as well
     total = settings.windows + settings.prompts
-    wins = token_windows(tokenizer, texts, total, max(settings.seqlen, settings.prompt_len))
+    wins = token_windows(tokenizer, texts, total, max(settings.seqlen, settings.prompt_len),
+                         cache=cache)
     # every k-th window is a prompt, so both prompts and scored windows span all novels
     k = max(total // settings.prompts, 1)
     prompt_idx = set(range(k - 1, total, k)[: settings.prompts])

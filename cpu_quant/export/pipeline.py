@@ -188,8 +188,8 @@ class Built:
     programs: dict  # method -> the quantized ExportedProgram the lowering took
     calibration: dict
     extra_files: dict[str, str]  # written next to model.pte: name -> what it is
+    # QNN's: "htp", or "not-done" without the SDK; its programs are saved as qnn_<method>.pt2
     qnn_lowering: str | None = None
-    qnn_programs: dict | None = None  # method -> ExportedProgram, saved as qnn_<method>.pt2
 
 
 def _ngrams(ids: list[int]) -> set[int]:
@@ -265,14 +265,14 @@ def lower_qnn(q: Quantized, shape: GraphShape, settings: PhoneExportSettings) ->
     else:
         manager = qnn.lower_to_portable(q.programs)
         lowering = "not-done"
-    return Built(manager, q.programs, q.calibration, q.extra_files, lowering, q.programs)
+    return Built(manager, q.programs, q.calibration, q.extra_files, lowering)
 
 
 def heldout_windows(tok, settings: PhoneExportSettings) -> list[list[int]]:
     from ..data.corpus import builtin_split, token_windows
 
     length = min(settings.verify_len, settings.max_seq_len)
-    return token_windows(tok, builtin_split("heldout"), settings.verify_windows, length)
+    return token_windows(tok, builtin_split("heldout"), settings.verify_windows, length, cache=True)
 
 
 def calibration_windows(tok, settings: PhoneExportSettings, texts: list[str]
@@ -554,8 +554,8 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
     pte = staged.path("model.pte")
     with open(pte, "wb") as fh:
         built.manager.write_to_file(fh)
-    if built.qnn_programs is not None:
-        qnn.save_programs(built.qnn_programs, staged.staging)
+    if built.qnn_lowering is not None:
+        qnn.save_programs(built.programs, staged.staging)
     tokenizer_files = staged.copy_tokenizer_files(src)
     timings["write"] = time.perf_counter() - t
 

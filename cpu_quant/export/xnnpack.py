@@ -26,6 +26,7 @@ and executed by the quantized kernels as ``quantized_decomposed::embedding_byte`
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -82,11 +83,24 @@ def quantize_for_xnnpack(model: nn.Module, weights: PhoneWeights, scheme: str) -
 
 
 def lower_to_xnnpack(programs: dict) -> object:
-    """ExportedPrograms by method name -> ExecutorchProgramManager with XNNPACK delegates."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    """ExportedPrograms by method name -> ExecutorchProgramManager with XNNPACK delegates.
 
-    edge = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
+    One method at a time: ExecuTorch's lowering copies a method's program, weights included,
+    more than once on its way to the edge dialect and the delegate, and given every method at
+    once it holds all their copies together (a two-method 1B program ran a 24 GiB machine out
+    of memory). Each method is lowered alone and its intermediates dropped before the next;
+    the lowered methods are then put together, their delegates' weights merged into one named
+    data store, as the joint lowering does (the program's bytes are the same)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeProgramManager, ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    lowered = {}
+    for name, program in programs.items():
+        one = to_edge_transform_and_lower({name: program}, partitioner=[XnnpackPartitioner()])
+        lowered[name] = one.exported_program(name)
+        del one
+        gc.collect()
+    edge = EdgeProgramManager(lowered)
     # Quant fusion turns the embedding's dequantize+gather into embedding_byte.
     return edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
 

