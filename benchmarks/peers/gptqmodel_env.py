@@ -36,11 +36,10 @@ RUNNER = Path(__file__).with_name("gptqmodel_runner.py")
 
 
 def cache_root() -> Path:
-    explicit = os.environ.get("CPU_QUANT_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "cpu-quant"
+    """cpu-quant's cache directory (the peers' venvs live under it)."""
+    from cpu_quant.core.cache import cache_dir
+
+    return cache_dir()
 
 
 def venv_dir() -> Path:

@@ -99,7 +99,7 @@ def _source(name: str) -> Path:
         from cpu_quant.models.demo import demo_model_path
 
         return demo_model_path()
-    return gemma_source(q.gptqmodel_env._cache_root())
+    return gemma_source(q.gptqmodel_env.cache_root())
 
 
 def judging_models(opts: q.SuiteOptions) -> dict[str, Path]:
