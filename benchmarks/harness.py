@@ -52,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cpu_quant.core.process import dies_with_this_process
+
 from . import provenance
 from .rss import DEFAULT_INTERVAL, TreeRssSampler
 
@@ -148,8 +150,11 @@ def run_measured(cmd: Command, rss_interval: float = DEFAULT_INTERVAL,
         with open(out_path, "w") as out_fh, open(err_path, "w") as err_fh:
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
+            # its own session (a timeout ends the whole tree) that dies with the harness: a
+            # stopped benchmark leaves no build or measured run behind
             proc = subprocess.Popen(cmd.argv, cwd=cmd.cwd, env=env, stdout=out_fh,
-                                    stderr=err_fh, start_new_session=True)
+                                    stderr=err_fh, start_new_session=True,
+                                    preexec_fn=dies_with_this_process())
             sampler = TreeRssSampler(proc.pid, rss_interval).start()
             try:
                 status: int | None = proc.wait(timeout=cmd.timeout)

@@ -183,6 +183,37 @@ def test_cpu_seconds_count_the_child_tree_not_the_harness():
     assert run.ok and 0.45 <= run.cpu_seconds <= run.wall_seconds + 0.5
 
 
+def test_a_stopped_harness_leaves_no_run_behind(tmp_path):
+    """A benchmark stopped by SIGTERM (or killed) takes the run it measures with it: the
+    measured command is in its own session, so only the harness's own request ends it."""
+    import signal
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)"
+    driver = ("from benchmarks import harness\n"
+              f"harness.run_measured(harness.Command({_py(child)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    measured = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stat = Path(f"/proc/{measured}/stat").read_text().rsplit(")", 1)[-1].split()
+        except FileNotFoundError:
+            break  # gone
+        if stat[0] == "Z":  # a zombie: dead, waiting to be reaped
+            break
+        assert time.monotonic() < deadline, "the measured run outlived the harness"
+        time.sleep(0.05)
+
+
 def test_failed_passes_are_recorded_with_status_and_stderr_never_dropped(tmp_path):
     suite = _suite([_value_arm("A", 2.0), _value_arm("B", 1.0, fail_on_pass=1, exit_status=7)])
     result, path = _run(suite, tmp_path)

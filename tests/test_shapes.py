@@ -91,6 +91,28 @@ def test_the_peaked_variant_differs_only_in_its_embedding(tmp_path, demo_src):
     assert "peaked_std" not in json.loads((plain / "config.json").read_text())["cpu_quant_random_model"]
 
 
+def test_a_tiny_model_of_a_smaller_vocabulary_gets_the_demo_tokenizer_cut_to_it(tmp_path, demo_src):
+    """A tiny model of fewer tokens than the demo's has a tokenizer of its size: every id it
+    gives fits the embedding, text still round-trips (the byte alphabet is kept), the special
+    tokens keep their ids; at the demo's size the tokenizer is the demo's file."""
+    from transformers import AutoTokenizer
+
+    from cpu_quant.models.tiny import DEMO_BYTES_END, make_tiny_model, truncated_bpe
+
+    small = make_tiny_model("llama", tmp_path / "small", demo_src, vocab=1024)
+    tok = AutoTokenizer.from_pretrained(str(small))
+    text = "It is a truth universally acknowledged — naïve 日本 code: x = f(y) + 42;\n"
+    ids = tok(text)["input_ids"]
+    assert max(ids) < 1024 and tok.decode(ids) == text
+    assert len(tok) == 1024 and tok.convert_tokens_to_ids("<|im_start|>") == 1
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert max(tok(chat)["input_ids"]) < 1024 and tok(chat)["input_ids"][0] == 1
+    full = make_tiny_model("llama", tmp_path / "full", demo_src)
+    assert (full / "tokenizer.json").read_bytes() == (demo_src / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="byte alphabet"):
+        truncated_bpe(json.loads((demo_src / "tokenizer.json").read_text()), DEMO_BYTES_END - 1)
+
+
 def test_scale_phone_part_exports_the_peaked_variant_with_the_1b_recipe(tmp_path, monkeypatch):
     """The phone part needs no quantize output; it runs the phone suite's 8da4w arm with an
     8-bit head on the peaked variant, with the GPTQ run on the suite's calibration size."""

@@ -4,7 +4,8 @@
 the parent ends (a SIGKILL to it included, when it can do nothing itself), and kills the caller
 at once if the parent is already gone. Used by the ranks that ``cpu-quant gptq --nproc`` starts
 and by the GPTQ run that ``export-phone`` spawns: neither may go on computing, or writing into
-a directory, after the command that wanted its result has ended.
+a directory, after the command that wanted its result has ended. :func:`dies_with_this_process`
+asks the same for a child that cannot call it itself (any program), at its start.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -27,3 +29,24 @@ def die_with(parent: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:  # it ended before the request was made
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen`: the child is SIGKILLed when the process
+    that starts it ends, as :func:`die_with` does (None where that is not available). It runs
+    between fork and exec, so it calls only what is resolved here, before the fork. Start the
+    child from the thread that lives as long as the process: the kernel watches the thread
+    that forked."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent, kill = os.getpid(), int(signal.SIGKILL)
+
+    def request() -> None:
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if os.getppid() != parent:  # it ended before the request was made
+            os.kill(os.getpid(), kill)
+
+    return request

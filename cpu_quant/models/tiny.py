@@ -10,12 +10,14 @@ demo model's tokenizer files, so the same seed and shape always give the same we
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 DEMO_VOCAB = 49152  # the demo tokenizer's vocabulary
+DEMO_BYTES_END = 252  # its 17 special tokens, then its byte alphabet (235 of the 256 bytes)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -106,10 +108,40 @@ def tiny_config(arch: str, shape: TinyShape = UNIT, vocab: int = DEMO_VOCAB):
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def copy_tokenizer(demo_src: Path, dst: Path) -> None:
+def copy_tokenizer(demo_src: Path, dst: Path, vocab: int = DEMO_VOCAB) -> None:
+    """The demo tokenizer's files; for a model of fewer than :data:`DEMO_VOCAB` tokens, its
+    first ``vocab`` tokens (:func:`truncated_bpe`), so that no token id falls outside the
+    model's embedding."""
     for name in TOKENIZER_FILES:
-        if (demo_src / name).exists():
+        if not (demo_src / name).exists():
+            continue
+        if name == "tokenizer.json" and vocab < DEMO_VOCAB:
+            tj = json.loads((demo_src / name).read_text(encoding="utf-8"))
+            (dst / name).write_text(json.dumps(truncated_bpe(tj, vocab), ensure_ascii=False),
+                                    encoding="utf-8")
+        else:
             shutil.copy(demo_src / name, dst / name)
+
+
+def truncated_bpe(tokenizer_json: dict, vocab: int) -> dict:
+    """A byte-level BPE tokenizer.json cut to its tokens of id below ``vocab``: the merges whose
+    two parts and result all remain, in their order, and the added tokens that remain: a
+    tokenizer of the same pre-tokenizer that still tokenizes any text the demo's does (its
+    first :data:`DEMO_BYTES_END` ids are its special tokens and its byte alphabet)."""
+    if vocab < DEMO_BYTES_END:
+        raise ValueError(f"a vocabulary of {vocab} tokens lacks the demo tokenizer's byte alphabet "
+                         f"(ids below {DEMO_BYTES_END})")
+    model = tokenizer_json["model"]
+    kept = {t: i for t, i in model["vocab"].items() if i < vocab}
+    merges = [m for m in model["merges"]
+              if all(part in kept for part in (*_merge_parts(m), "".join(_merge_parts(m))))]
+    return {**tokenizer_json,
+            "added_tokens": [t for t in tokenizer_json.get("added_tokens", []) if t["id"] < vocab],
+            "model": {**model, "vocab": kept, "merges": merges}}
+
+
+def _merge_parts(merge) -> tuple[str, str]:
+    return tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ", 1))
 
 
 def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: int = DEMO_VOCAB,
@@ -117,7 +149,8 @@ def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: 
     """A tiny random ``arch`` model of ``shape`` (weights from ``torch.manual_seed(seed)``;
     default :data:`UNIT`, or the family's shape of :data:`MOE_SHAPES`), saved to ``dst`` as
     bf16 safetensors (a mixture-of-experts model's experts one tensor per expert projection, as
-    the family's checkpoints) with the demo tokenizer."""
+    the family's checkpoints) with the demo tokenizer (its first ``vocab`` tokens when
+    ``vocab`` is smaller than the demo's)."""
     import torch
     import transformers
 
@@ -125,7 +158,7 @@ def make_tiny_model(arch: str, dst: Path, demo_src: Path, seed: int = 0, vocab: 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(dst)
-    copy_tokenizer(demo_src, dst)
+    copy_tokenizer(demo_src, dst, vocab)
     return dst
 
 

@@ -28,6 +28,9 @@ from tests.helpers.gguf_edit import copy_without_tensor
 from tests.helpers.gguf_rtn import feed, info_for, rtn_results, write_gguf
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+# the whole-file tests' models: the demo tokenizer cut to its first 1024 tokens (writing and
+# parsing the demo's 49,152 tokens and 48,900 merges took most of these tests' time)
+TINY_VOCAB = 1024
 
 
 def random_gq(n: int, k: int, group: int, seed: int = 0, negative: bool = True) -> GroupQuant:
@@ -103,7 +106,7 @@ def tiny_files(demo_src: Path, tmp_path_factory) -> dict[str, tuple[Path, dict, 
     out = {}
     for arch in ARCHS:
         base = tmp_path_factory.mktemp(arch)
-        src = make_tiny_model(arch, base / "src", demo_src)
+        src = make_tiny_model(arch, base / "src", demo_src, vocab=TINY_VOCAB)
         path, quant, _ = write_gguf(src, base / "out", group=128)
         out[arch] = (path, quant, json.loads((src / "config.json").read_text()))
     return out
@@ -237,7 +240,7 @@ def test_non_finite_scale_is_refused(tiny_files, tmp_path: Path) -> None:
 
 # -- resume -----------------------------------------------------------------------------------
 def test_resume_from_parts_is_byte_identical(demo_src: Path, tmp_path: Path) -> None:
-    src = make_tiny_model("llama", tmp_path / "src", demo_src)
+    src = make_tiny_model("llama", tmp_path / "src", demo_src, vocab=TINY_VOCAB)
     quant, floats, cfg = rtn_results(src, 32, head_quantized=True)
     n = cfg["num_hidden_layers"]
     info = info_for(src, cfg, 32, True)
