@@ -168,8 +168,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def k_model(demo_src: Path, tmp_path_factory) -> Path:
-    """A tiny untied Llama whose rows are whole super-blocks (256), with GQA 4."""
-    return make_tiny_model("llama", tmp_path_factory.mktemp("kmix") / "src", demo_src, shape=SHAPE)
+    """A tiny untied Llama whose rows are whole super-blocks (256), with GQA 4, and the demo
+    tokenizer's first 1024 tokens (the whole vocabulary's GGUF metadata was most of these
+    tests' time)."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("kmix") / "src", demo_src,
+                           vocab=1024, shape=SHAPE)
 
 
 def _write(fmt_name: str, src: Path, dst: Path) -> tuple[Path, dict, dict]:
