@@ -978,6 +978,69 @@ def test_demo_model_uncalibrated_codes_are_refused(demo_src: Path, artifacts_dir
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_the_methods_folded_weights_are_held_once(peaked_llama: Path, monkeypatch) -> None:
+    """The eager graphs of a program's methods (prefill, decode) hold each folded weight once:
+    both methods are one model's weights, folded by the same ops, and the later method's
+    copies are freed. They compute what graphs folded each on its own compute, bit for bit,
+    and the folding leaves the programs' own tensors as they were."""
+    import copy
+    import gc
+    import weakref
+
+    from executorch.exir.passes.constant_prop_pass import constant_prop_pass
+
+    from cpu_quant.export import pipeline
+    from cpu_quant.export.pipeline import (
+        SHARED_MIN_ELEMENTS,
+        decide_weights,
+        eager_graphs,
+        quantize_xnnpack,
+    )
+
+    replaced: list[weakref.ref] = []
+    hold_once = pipeline._hold_once
+
+    def watched(module: torch.nn.Module, held: dict) -> None:
+        before = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+        hold_once(module, held)
+        replaced.extend(weakref.ref(v) for k, v in before.items() if vars(module)[k] is not v)
+
+    monkeypatch.setattr(pipeline, "_hold_once", watched)
+
+    settings = small_settings(backend="xnnpack", scheme="8da8w", calib_samples=0)
+    model = load_static_lm(peaked_llama, settings.max_seq_len)
+    shape = settings.shape(model)
+    programs = quantize_xnnpack(model, shape, settings,
+                                decide_weights(peaked_llama, model, shape, settings, [], None),
+                                {}).programs
+    def parts(t: torch.Tensor) -> list[torch.Tensor]:  # a quantized tensor's inner tensors
+        inner = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else None
+        return [getattr(t, n) for n in inner] if inner else [t.detach()]
+
+    before = {m: {k: [p.clone() for p in parts(v)] for k, v in ep.state_dict.items()}
+              for m, ep in programs.items()}
+    shared = eager_graphs(programs)
+
+    def folded(graph: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(graph).items()
+                if isinstance(v, torch.Tensor) and v.numel() >= SHARED_MIN_ELEMENTS}
+
+    alone = {m: constant_prop_pass(copy.deepcopy(ep)).module() for m, ep in programs.items()}
+    prefill, decode = (folded(shared[m]) for m in programs)
+    assert len(prefill) == len(decode) == len(folded(alone["decode"])) > 0
+    assert {id(t) for t in prefill.values()} == {id(t) for t in decode.values()}
+    gc.collect()
+    assert len(replaced) == len(decode) and all(r() is None for r in replaced)
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        want = StaticKVRunner(shape, *shape.step_pair(alone)).score(ids)
+        got = StaticKVRunner(shape, *shape.step_pair(shared)).score(ids)
+    assert torch.equal(got, want)
+    for m, ep in programs.items():
+        for k, old in before[m].items():
+            assert all(map(torch.equal, parts(ep.state_dict[k]), old)), k
+
+
 @pytest.mark.e2e  # lowers a program
 def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peaked_llama: Path
                                                                              ) -> None:
