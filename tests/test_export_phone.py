@@ -1041,6 +1041,43 @@ def test_the_methods_folded_weights_are_held_once(peaked_llama: Path, monkeypatc
             assert all(map(torch.equal, parts(ep.state_dict[k]), old)), k
 
 
+def test_the_checked_eager_graphs_are_freed_before_the_lowering(peaked_llama: Path, tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """The eager graphs the quantized model is checked with (its weights folded to float32, 5 GB
+    at 1B) are gone when the lowering starts: graph modules sit in reference cycles, which
+    dropping the last name does not free (a 1B export was killed in the lowering so)."""
+    import gc
+    import weakref
+
+    from cpu_quant.export import pipeline
+
+    folded: list[weakref.ref] = []
+    eager_graphs = pipeline.eager_graphs
+
+    def watched(programs: dict) -> dict:
+        graphs = eager_graphs(programs)
+        folded.extend(weakref.ref(v) for g in graphs.values() for v in vars(g).values()
+                      if isinstance(v, torch.Tensor))
+        return graphs
+
+    class Lowering(Exception):
+        pass
+
+    def lower(quantized):
+        raise Lowering(sum(r() is not None for r in folded))
+
+    monkeypatch.setattr(pipeline, "eager_graphs", watched)
+    monkeypatch.setattr(pipeline, "lower_xnnpack", lower)
+    gc.disable()  # no collection by chance: the export's own must free them
+    try:
+        with pytest.raises(Lowering) as stopped:
+            run_export(peaked_llama, tmp_path / "out", small_settings(
+                backend="xnnpack", scheme="8da8w", calib_samples=0), progress=False)
+    finally:
+        gc.enable()
+    assert folded and stopped.value.args == (0,)
+
+
 @pytest.mark.e2e  # lowers a program
 def test_the_lowering_leaves_the_programs_that_the_verification_folds_again(peaked_llama: Path
                                                                              ) -> None:

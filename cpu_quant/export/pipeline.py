@@ -25,6 +25,7 @@ Output directory:
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -578,9 +579,12 @@ def _build_verify_write(src: Path, staged: StagedOutput, settings: PhoneExportSe
                                      _calibration_record(settings, calib_windows, weights))
     eager = eager_graphs(quantized.programs)
     quantized_scores = score_heldout(shape, shape.step_pair(eager), heldout)
-    # every method's weights folded to float32 (5 GB per method at 1B): not carried through
-    # the lowering, whose own copies they would add to; made again for the verification
+    # the methods' weights folded to float32 (5 GB at 1B): not carried through the lowering,
+    # whose own copies they would add to; made again for the verification. Graph modules are
+    # held in reference cycles, which only a collection frees (a 1B export was killed in the
+    # lowering with them still held)
     del eager
+    gc.collect()
     failures = screen(scheme, quantized_scores, float_scores)
     if failures:
         raise VerificationFailed("the quantized model falls below the " + scheme + " floors "
