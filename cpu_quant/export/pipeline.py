@@ -235,8 +235,8 @@ def _hold_once(module: torch.nn.Module, held: dict[tuple, list[torch.Tensor]]) -
     """Each folded constant of ``module`` (a tensor attribute of the graph) equal, bit for bit,
     to one in ``held`` is replaced by that one, in the graph's attributes and its fake values
     (the only holders of a folded constant once the folding's program copy is gone); the others
-    are added to ``held``. Looked up by shape, dtype, strides and 64 of its values, then
-    compared whole."""
+    are added to ``held``. Looked up by shape, dtype, strides and about 64 of its values,
+    then compared whole."""
     for node in module.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -245,9 +245,10 @@ def _hold_once(module: torch.nn.Module, held: dict[tuple, list[torch.Tensor]]) -
         tensor = owner.__dict__.get(attr)  # folded constants are plain attributes
         if not isinstance(tensor, torch.Tensor) or tensor.numel() < SHARED_MIN_ELEMENTS:
             continue
-        flat = tensor.reshape(-1)
+        rows = tensor[::max(1, tensor.shape[0] // 8)]  # a view; its copy below is 8 rows at most
+        probe = rows.reshape(-1)
         key = (tuple(tensor.shape), tensor.dtype, tensor.stride(),
-               tuple(flat[::max(1, flat.numel() // 64)].tolist()))
+               tuple(probe[::max(1, probe.numel() // 64)].tolist()))
         same = held.setdefault(key, [])
         match = next((h for h in same if h is tensor or torch.equal(h, tensor)), None)
         if match is None:
