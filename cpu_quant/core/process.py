@@ -21,14 +21,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def die_with(parent: int) -> None:
     """SIGKILL this process when ``parent``, its parent process, ends (Linux; elsewhere
     nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # it ended before the request was made
-        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.platform.startswith("linux"):
+        _death_request(parent)()
 
 
 def dies_with_this_process() -> Callable[[], None] | None:
@@ -37,16 +31,20 @@ def dies_with_this_process() -> Callable[[], None] | None:
     between fork and exec, so it calls only what is resolved here, before the fork. Start the
     child from the thread that lives as long as the process: the kernel watches the thread
     that forked."""
-    if not sys.platform.startswith("linux"):
-        return None
+    return _death_request(os.getpid()) if sys.platform.startswith("linux") else None
+
+
+def _death_request(parent: int) -> Callable[[], None]:
+    """The request, made by the process to be killed: SIGKILL when its parent ends, and at once
+    if ``parent`` is no longer its parent (it ended before the request was made)."""
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent, kill = os.getpid(), int(signal.SIGKILL)
+    kill = int(signal.SIGKILL)
 
     def request() -> None:
         prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
-        if os.getppid() != parent:  # it ended before the request was made
+        if os.getppid() != parent:
             os.kill(os.getpid(), kill)
 
     return request
