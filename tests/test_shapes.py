@@ -65,13 +65,17 @@ def test_bad_names_are_refused_in_one_line(tmp_path, capsys):
                      "Llama-3.2-3B": ("phone",)}
 
 
-def test_the_peaked_variant_differs_only_in_its_embedding(tmp_path, demo_src):
+def test_the_peaked_variant_differs_only_in_its_embedding_and_residual_outputs(tmp_path,
+                                                                              demo_src):
     """The peaked variant (for export-phone's verification at size) has the same shapes and
-    every tensor of the plain model but the embedding, which is normal with std 1 from the same
+    every tensor of the plain model but the embedding, normal with std 1, and the output
+    projections of the residual branches, with std / sqrt(2 x layers), each from the same
     generator; it says so in its config."""
+    import math
+
     from safetensors.torch import load_file
 
-    from cpu_quant.models.shapes import PEAKED_STD, PublicShape, write_random_model
+    from cpu_quant.models.shapes import PEAKED_STD, PEAKED_VERSION, PublicShape, write_random_model
 
     small = PublicShape("Small", "llama", "LlamaForCausalLM", 64, 128, 2, 4, 2, 512, True, 256,
                         10000.0, 1e-5, extra={"attention_bias": False, "mlp_bias": False})
@@ -81,13 +85,19 @@ def test_the_peaked_variant_differs_only_in_its_embedding(tmp_path, demo_src):
     b = {k: v for f in sorted(peaked.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert a.keys() == b.keys() and "lm_head.weight" not in a  # tied
     name = "model.embed_tokens.weight"
-    assert all(torch.equal(a[k], b[k]) for k in a if k != name)
+    outputs = {k for k in a if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))}
+    assert len(outputs) == 2 * small.layers
+    assert all(torch.equal(a[k], b[k]) for k in a if k != name and k not in outputs)
     assert float(a[name].float().std()) == pytest.approx(0.02, rel=0.1)
     assert float(b[name].float().std()) == pytest.approx(PEAKED_STD, rel=0.1)
     # the same draws, scaled: the variant is the plain model's embedding times 50
     assert torch.allclose(b[name].float(), a[name].float() * (PEAKED_STD / 0.02), rtol=0.02)
+    shrink = 1 / math.sqrt(2 * small.layers)
+    for k in outputs:
+        assert torch.allclose(b[k].float(), a[k].float() * shrink, rtol=0.02), k
     cfg = json.loads((peaked / "config.json").read_text())["cpu_quant_random_model"]
-    assert cfg["peaked_std"] == PEAKED_STD
+    assert cfg["peaked_std"] == PEAKED_STD and cfg["peaked_version"] == PEAKED_VERSION
+    assert cfg["residual_output_std"] == pytest.approx(0.02 * shrink)
     assert "peaked_std" not in json.loads((plain / "config.json").read_text())["cpu_quant_random_model"]
 
 
