@@ -8,7 +8,7 @@ The pass worker of the ``memory_trace`` suite (``benchmarks/suites/memory_trace.
 ``python -m benchmarks.memory_trace --json OUT --model demo [--build default|plain]
 [--samples 128] ...``
 
-``python -m benchmarks.memory_trace --json OUT --model Llama-3.2-1B [--samples 8] ...``
+``python -m benchmarks.memory_trace --json OUT --model Llama-3.2-1B [--samples 8] [--layers N] ...``
 
 Runs the quantizer through its API (``quantize_checkpoint``) while a sampler thread reads this
 process's ``RssAnon`` every ``--interval`` seconds. The model: the memory suite's synthetic one
@@ -19,7 +19,9 @@ model with the fidelity suite's calibration (128 x 512 unless given) and one of 
 ``plain`` its ``gptq+head-plain`` arm (no smoothing, head and down projections in the run's
 group); or, with a public model's name, its random-weight model of the same shapes
 (``cpu_quant.models.shapes``: memory only, its fidelity means nothing) with every default of
-the gptq command but the calibration's size. Each time a new maximum is
+the gptq command but the calibration's size; ``--layers N`` keeps its first ``N`` decoder
+layers (the same tensors, written to the workdir), so that one layer's peak at a large shape
+is seen in minutes instead of hours. Each time a new maximum is
 seen, it records the Python stack of every thread (innermost frames last) and glibc's
 ``mallinfo2`` (bytes in use on the heaps, free on the heaps, and in direct mmaps). It also records
 ``RssAnon`` and ``mallinfo2`` after every completed layer.
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", choices=("default", "plain"), default=None,
                     help="with --model demo: the fidelity suite's build (default: default)")
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with a public model's name: keep its first N decoder layers")
     ap.add_argument("--samples", type=int, default=None,
                     help=f"default: {REAL['samples']} (synthetic), {DEMO_SAMPLES} (demo)")
     ap.add_argument("--seqlen", type=int, default=REAL["seqlen"])
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples is None:
         args.samples = DEMO_SAMPLES if args.model == "demo" else REAL["samples"]
     shaped = args.model not in ("synthetic", "demo")
+    if args.layers is not None and not (shaped and 1 <= args.layers <= SHAPES[args.model].layers):
+        ap.error("--layers applies to a public model's name, from 1 to its number of layers")
     for name in ("depth", "samples", "seqlen", "batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -178,12 +184,21 @@ def main(argv: list[str] | None = None) -> int:
         settings = replace(settings, **DEMO_BUILDS[args.build])
         layers = REAL["base_layers"]
     elif shaped:
-        from cpu_quant.models.shapes import random_model_path
+        from cpu_quant.models.shapes import random_model_path, write_random_model
 
-        src, label = random_model_path(args.model, progress=False), f"{args.model}-default"
+        if args.layers is None or args.layers == SHAPES[args.model].layers:
+            src, label = random_model_path(args.model, progress=False), f"{args.model}-default"
+        else:
+            from cpu_quant.models.demo import demo_model_path
+
+            label = f"{args.model}-{args.layers}-layers-default"
+            src = args.workdir / "inputs" / label
+            if not (src / "config.json").is_file():
+                write_random_model(replace(SHAPES[args.model], layers=args.layers), src,
+                                   demo_model_path(), progress=False)
         settings = replace(QuantSettings(samples=args.samples, seqlen=args.seqlen,
                                          batch_size=args.batch_size), smooth=None)
-        layers = SHAPES[args.model].layers
+        layers = args.layers or SHAPES[args.model].layers
     else:
         layers = REAL["base_layers"] * args.depth
         shapes = "smoke" if args.smoke else "demo"

@@ -365,7 +365,8 @@ def test_pinned_mmap_threshold_keeps_large_blocks_off_the_heap(mode):
 
 @pytest.mark.parametrize("bad", [["--depth", "0"], ["--samples", "-1"], ["--interval", "0"],
                                  ["--depth", "two"], ["--build", "plain"],
-                                 ["--model", "demo", "--build", "tiny"]])
+                                 ["--model", "demo", "--build", "tiny"], ["--layers", "2"],
+                                 ["--model", "Llama-3.2-1B", "--layers", "17"]])
 def test_memory_trace_rejects_bad_arguments_in_one_line(bad, tmp_path):
     import sys
 
