@@ -7,7 +7,10 @@ layer at a time is ever materialised. ``LayerStream``:
 2. replaces every decoder layer with a recorder and runs the model once per calibration batch,
    capturing each layer's call arguments (position embeddings, masks, ...) and the embedding
    output. This works for any architecture whose model loops over ``layers`` calling each
-   with the hidden states first, which is every decoder-only model in transformers;
+   with the hidden states first, which is every decoder-only model in transformers. The input
+   embedding is then dropped (its outputs are the first layer's inputs; the head and the
+   written embedding are read from the checkpoint): it is not held through the layers (at 8B,
+   2 GB in float32);
 3. then, for layer ``i``: ``load_layer(i)`` materialises it from the checkpoint (checking that
    config and tensors agree), the caller runs ``forward_layer`` as often as it needs, and
    ``unload_layer(i)`` returns its memory.
@@ -166,6 +169,9 @@ class LayerStream:
     def capture(self, batches: list[torch.Tensor], into=None):
         """Record every layer's call arguments; returns the embedding outputs per batch, appended
         to ``into`` (a list by default; ``activations.DiskActivations`` writes each to disk)."""
+        if self.model.get_input_embeddings().weight.is_meta:  # dropped by an earlier capture
+            name = self.embedding_weight_name()
+            self._set_param(name, self.ckpt.tensor(name, check_finite=True))
         originals = list(self.layers)
         sinks: list[list] = [[] for _ in originals]
         for i, layer in enumerate(originals):
@@ -188,7 +194,17 @@ class LayerStream:
             for i, layer in enumerate(originals):
                 self.layers[i] = layer
         self.calls = [[LayerCall(a, k) for (_, a, k) in sink] for sink in sinks]
+        self._drop_input_embedding()
         return hidden
+
+    def _drop_input_embedding(self) -> None:
+        """The input embedding's weight back to an empty (meta) one: after the capture nothing
+        runs it (module docstring)."""
+        emb, out = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        empty = nn.Parameter(torch.empty_like(emb.weight, device="meta"), requires_grad=False)
+        if out is not None and out.weight is emb.weight:  # tied: no second holder is left
+            out.weight = empty
+        emb.weight = empty
 
     # -- one layer at a time ---------------------------------------------------------------
     def layer_param_names(self, i: int) -> list[str]:
