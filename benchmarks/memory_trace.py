@@ -46,6 +46,7 @@ from pathlib import Path
 from cpu_quant.core.memory import anon_rss_bytes, libc
 
 from .peers import gptqmodel_env
+from .provenance import collect as collect_provenance
 from .suites.memory import REAL, synthetic_model
 
 DEMO_SAMPLES = 128  # the fidelity suite's calibration: 128 x 512
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "peak_rss_anon_mib": tracer.peak >> 20,
         "peaks": tracer.peaks, "layers_after": tracer.layers, "rss_anon_mib_series": tracer.series,
+        # the machine, the commit and the packages: a trace run outside the suite is citable
+        "provenance": collect_provenance({k: str(v) if isinstance(v, Path) else v
+                                          for k, v in vars(args).items()}),
     }
     path = args.json
     path.write_text(json.dumps(result, indent=1) + "\n")
