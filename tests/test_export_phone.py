@@ -363,6 +363,26 @@ def test_floors_are_fixed_per_scheme_and_name_the_faulty_line() -> None:
         lowering_fault.message()
 
 
+def test_the_perplexity_ratio_holds_where_both_perplexities_overflow() -> None:
+    """Logits so peaked that every target is 2,000 nats below the best (a random model made
+    peaked gives such): both perplexities overflow, and their ratio is still the exponential of
+    the NLL difference, judged against the floor (it was inf / inf, a NaN that failed every
+    export)."""
+    from cpu_quant.export.verify import HeldoutScores, perplexity, screen
+
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    ref = torch.zeros(6, 8)
+    ref[:, 0] = 2000.0
+    assert perplexity(ref, targets) == float("inf")
+    close = ref.clone()
+    close[:, 0] += 0.05
+    assert screen("8da4w", HeldoutScores(close, targets), HeldoutScores(ref, targets)) == []
+    far = ref.clone()
+    far[:, 0] += 1.0
+    (failure,) = screen("8da4w", HeldoutScores(far, targets), HeldoutScores(ref, targets))
+    assert "perplexity 2.718x" in failure
+
+
 def test_the_report_states_every_floor_beside_its_measured_value() -> None:
     """export_report.json's ``verification.tolerance``: each fixed floor of the scheme (8da4w
     at x1.114 of float, as a 128-token export measured, is within its x1.20) with the value it

@@ -137,6 +137,9 @@ class VerifyResult:
     floors: dict[str, dict] = field(default_factory=dict)  # "vs_float", "vs_quantized"
     failures: list[str] = field(default_factory=list)  # line 1 (float), then line 2
     lowering_failures: list[str] = field(default_factory=list)  # line 2 only
+    # each arm's mean negative log-likelihood (nats per token): what the perplexity ratio is
+    # taken from (by default, the log of ``perplexity``)
+    nll: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -144,7 +147,8 @@ class VerifyResult:
 
     @property
     def perplexity_ratio(self) -> float:
-        return self.perplexity["pte"] / self.perplexity["float"]
+        nll = self.nll or {k: math.log(v) for k, v in self.perplexity.items()}
+        return perplexity_ratio(nll["pte"], nll["float"])
 
     def tolerance(self) -> list[dict]:
         """Every fixed floor the verification applied (:func:`check`) beside the value it
@@ -227,9 +231,22 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> Comparison:
     return Comparison(round(snr_db(x, ref), 3), round(float(top1), 4), float(kl))
 
 
+def mean_nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``targets``, nats per token."""
+    return float(torch.nn.functional.cross_entropy(logits.to(torch.float64), targets))
+
+
 def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    nll = float(torch.nn.functional.cross_entropy(logits.to(torch.float64), targets))
+    nll = mean_nll(logits, targets)
     return math.exp(nll) if nll < 700 else float("inf")  # a broken program can overflow exp
+
+
+def perplexity_ratio(nll: float, reference_nll: float) -> float:
+    """The perplexity of mean NLL ``nll`` over the reference's, as the exponential of the
+    difference: finite where both perplexities overflow (a model whose logits are very peaked,
+    such as a random model made to be, gives mean NLLs of thousands of nats)."""
+    gap = nll - reference_nll
+    return math.exp(gap) if gap < 700 else float("inf")
 
 
 def _matching_prefix(a: list[int], b: list[int]) -> int:
@@ -264,8 +281,8 @@ def score_heldout(shape: GraphShape, arm: tuple[StepFn, StepFn], windows: list[l
 def screen(scheme: str, quantized: HeldoutScores, reference: HeldoutScores) -> list[str]:
     """Line 1 applied to the quantized eager graph, before anything is lowered: a quantization
     that misses the scheme's floors against float is refused here (failures, or [])."""
-    ratio = perplexity(quantized.logits, quantized.targets) / perplexity(reference.logits,
-                                                                         reference.targets)
+    ratio = perplexity_ratio(mean_nll(quantized.logits, quantized.targets),
+                             mean_nll(reference.logits, reference.targets))
     return FLOAT_FLOORS[scheme].failures(compare(quantized.logits, reference.logits), ratio,
                                          "the quantized model's")
 
@@ -323,6 +340,7 @@ def verify(scheme: str, shape: GraphShape, arms: dict[str, tuple[StepFn, StepFn]
         perplexity={name: round(perplexity(v, target), 4) for name, v in cat.items()},
         greedy=greedy,
         decode_snr_db_vs_quantized=round(decode_snr, 3),
+        nll={name: mean_nll(v, target) for name, v in cat.items()},
     )
     check(scheme, result)
     return result
