@@ -88,12 +88,24 @@ def render(results: Path, docs: Path) -> str:
             newest_of[path.name.rsplit("-", 1)[0].removeprefix("memory-trace-")] = path
     lines = ["| build | layers | peak RssAnon | at the peak (innermost first) | machine | git | "
              "result file |", "|---|---|---|---|---|---|---|"]
+    earlier, commands = [], []
     for label, path in sorted(newest_of.items()):
         doc = json.loads(path.read_text())
         meta = machine({"provenance": doc["provenance"]})
+        if "json" in doc["provenance"]["settings"]:  # this script's run, outside the suite
+            args = doc["command"].split()[1:]
+            args = args[:args.index("--workdir")] + args[args.index("--workdir") + 2:] \
+                if "--workdir" in args else args
+            args = args[:args.index("--json")] + args[args.index("--json") + 2:] \
+                if "--json" in args else args
+            commands.append(f"{label}: `python -m benchmarks.memory_trace {' '.join(args)} "
+                            "--json OUT`")
+        else:
+            earlier.append(label)
         frames = doc["peaks"][-1]["stacks"].get("MainThread", [])
         lines.append(f"| {label} | {doc['layers']} | {doc['peak_rss_anon_mib']} MiB | "
                      f"{_where(frames)} | {meta['cpu']} ({meta['isa']}) | {meta['sha'][:7]} | "
                      f"[{path.name}]({os.path.relpath(path, docs)}) |")
-    return "\n".join(lines + ["", "One run each, of the earlier script. Command now: "
-                              "`python -m benchmarks run memory_trace`."])
+    foot = [f"One run each. {', '.join(earlier)}: of the earlier script; command now: "
+            "`python -m benchmarks run memory_trace`."] if earlier else []
+    return "\n".join(lines + [""] + foot + [f"{c}." for c in commands])
