@@ -65,17 +65,23 @@ def test_bad_names_are_refused_in_one_line(tmp_path, capsys):
                      "Llama-3.2-3B": ("phone",)}
 
 
-def test_the_peaked_variant_differs_only_in_its_embedding_and_residual_outputs(tmp_path,
-                                                                              demo_src):
+def test_the_peaked_variant_differs_only_in_its_embedding_outputs_and_final_norm(tmp_path,
+                                                                                 demo_src):
     """The peaked variant (for export-phone's verification at size) has the same shapes and
-    every tensor of the plain model but the embedding, normal with std 1, and the output
+    every tensor of the plain model but the embedding, normal with std 1, the output
     projections of the residual branches, with std / sqrt(2 x layers), each from the same
-    generator; it says so in its config."""
+    generator, and the final norm's weight; it says so in its config."""
     import math
 
     from safetensors.torch import load_file
 
-    from cpu_quant.models.shapes import PEAKED_STD, PEAKED_VERSION, PublicShape, write_random_model
+    from cpu_quant.models.shapes import (
+        PEAKED_FINAL_NORM,
+        PEAKED_STD,
+        PEAKED_VERSION,
+        PublicShape,
+        write_random_model,
+    )
 
     small = PublicShape("Small", "llama", "LlamaForCausalLM", 64, 128, 2, 4, 2, 512, True, 256,
                         10000.0, 1e-5, extra={"attention_bias": False, "mlp_bias": False})
@@ -87,7 +93,9 @@ def test_the_peaked_variant_differs_only_in_its_embedding_and_residual_outputs(t
     name = "model.embed_tokens.weight"
     outputs = {k for k in a if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))}
     assert len(outputs) == 2 * small.layers
-    assert all(torch.equal(a[k], b[k]) for k in a if k != name and k not in outputs)
+    norm = "model.norm.weight"
+    assert all(torch.equal(a[k], b[k]) for k in a if k not in {name, norm, *outputs})
+    assert torch.equal(b[norm], torch.full_like(a[norm], PEAKED_FINAL_NORM))
     assert float(a[name].float().std()) == pytest.approx(0.02, rel=0.1)
     assert float(b[name].float().std()) == pytest.approx(PEAKED_STD, rel=0.1)
     # the same draws, scaled: the variant is the plain model's embedding times 50
@@ -97,6 +105,7 @@ def test_the_peaked_variant_differs_only_in_its_embedding_and_residual_outputs(t
         assert torch.allclose(b[k].float(), a[k].float() * shrink, rtol=0.02), k
     cfg = json.loads((peaked / "config.json").read_text())["cpu_quant_random_model"]
     assert cfg["peaked_std"] == PEAKED_STD and cfg["peaked_version"] == PEAKED_VERSION
+    assert cfg["final_norm"] == PEAKED_FINAL_NORM
     assert cfg["residual_output_std"] == pytest.approx(0.02 * shrink)
     assert "peaked_std" not in json.loads((plain / "config.json").read_text())["cpu_quant_random_model"]
 

@@ -27,7 +27,11 @@ measured for time, memory and whether every runtime loads and runs it, never for
   checks are decided. The scaled projections keep each layer's share of the residual stream
   small: unscaled, a random model's layers amplify a perturbation at every layer, and at
   Llama-3.2-1B's 16 layers the 4-bit GPTQ codes of the unscaled variant gave logits at 8.4 dB
-  SNR against the float model's (export-phone refused them). The same shapes and the same
+  SNR against the float model's (export-phone refused them). Its final norm's weight is
+  0.008 instead of 1: with a unit-variance embedding the token just read sits so far above
+  every other that both perplexities overflow and a logit error of a few percent moves their
+  ratio by nats; scaled down, the same logits (the same argmax, the same SNR)
+  give perplexities of a real model's order. The same shapes and the same
   compute: for speed and memory of a command that refuses to write what it cannot verify
   (``export-phone``). Cached apart (``-peaked`` and its own recipe version in the directory's
   name).
@@ -52,7 +56,11 @@ from pathlib import Path
 from ..core.errors import CpuQuantError
 
 VERSION = 1  # bump when the weights' recipe changes: the cache key follows
-PEAKED_VERSION = 2  # the peaked variant's recipe (2: its residual output projections scaled)
+# the peaked variant's recipe (2: its residual output projections scaled; 3: its final norm)
+PEAKED_VERSION = 3
+# the peaked variant's final norm weight: its logits at about 15 nats from best to the rest
+PEAKED_FINAL_NORM = 0.008
+FINAL_NORM = "model.norm.weight"
 PEAKED_STD = 1.0  # the peaked variant's embedding and untied head (module docstring)
 PEAKED_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 # the peaked variant's residual output projections: std / sqrt(2 x layers) (module docstring)
@@ -206,6 +214,8 @@ def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int 
             for name in names:
                 tensors[name] = random_tensor(name, shapes[name], tensor_std(config, name, peaked),
                                               seed)
+                if peaked and name == FINAL_NORM:
+                    tensors[name] = tensors[name] * PEAKED_FINAL_NORM
                 bar.update(1)
             total += write_safetensors(staging / fname, tensors)
             del tensors
@@ -216,6 +226,7 @@ def write_random_model(shape: PublicShape, dst: Path, demo_src: Path, seed: int 
                                             "version": VERSION,
                                             **({"peaked_std": PEAKED_STD,
                                                 "peaked_version": PEAKED_VERSION,
+                                                "final_norm": PEAKED_FINAL_NORM,
                                                 "residual_output_std": residual_output_std(config)}
                                                if peaked else {})}
         write_json_atomic(staging / "config.json", config)
