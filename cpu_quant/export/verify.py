@@ -244,7 +244,7 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
 def perplexity_ratio(nll: float, reference_nll: float) -> float:
     """The perplexity of mean NLL ``nll`` over the reference's, as the exponential of the
     difference: finite where both perplexities overflow (a model whose logits are very peaked,
-    such as a random model made to be, gives mean NLLs of thousands of nats)."""
+    such as a random model made to be, gives mean NLLs beyond 700 nats)."""
     gap = nll - reference_nll
     return math.exp(gap) if gap < 700 else float("inf")
 

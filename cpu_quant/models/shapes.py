@@ -26,8 +26,8 @@ measured for time, memory and whether every runtime loads and runs it, never for
   noise alone; the variant's logits are dominated by the embedding's self-similarity, so such
   checks are decided. The scaled projections keep each layer's share of the residual stream
   small: unscaled, a random model's layers amplify a perturbation at every layer, and at
-  Llama-3.2-1B's 16 layers the 4-bit GPTQ codes of the unscaled variant gave logits at 8.4 dB
-  SNR against the float model's (export-phone refused them). Its final norm's weight is
+  Llama-3.2-1B's 16 layers the 4-bit GPTQ codes of the unscaled variant gave logits below
+  export-phone's SNR floor against the float model's (it refused them). Its final norm's weight is
   0.008 instead of 1: with a unit-variance embedding the token just read sits so far above
   every other that both perplexities overflow and a logit error of a few percent moves their
   ratio by nats; scaled down, the same logits (the same argmax, the same SNR)
@@ -58,7 +58,7 @@ from ..core.errors import CpuQuantError
 VERSION = 1  # bump when the weights' recipe changes: the cache key follows
 # the peaked variant's recipe (2: its residual output projections scaled; 3: its final norm)
 PEAKED_VERSION = 3
-# the peaked variant's final norm weight: its logits at about 15 nats from best to the rest
+# the peaked variant's final norm weight: its logits at a real model's scale (module docstring)
 PEAKED_FINAL_NORM = 0.008
 FINAL_NORM = "model.norm.weight"
 PEAKED_STD = 1.0  # the peaked variant's embedding and untied head (module docstring)
