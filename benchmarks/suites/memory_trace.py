@@ -94,10 +94,9 @@ def render(results: Path, docs: Path) -> str:
         meta = machine({"provenance": doc["provenance"]})
         if "json" in doc["provenance"]["settings"]:  # this script's run, outside the suite
             args = doc["command"].split()[1:]
-            args = args[:args.index("--workdir")] + args[args.index("--workdir") + 2:] \
-                if "--workdir" in args else args
-            args = args[:args.index("--json")] + args[args.index("--json") + 2:] \
-                if "--json" in args else args
+            for flag in ("--workdir", "--json"):  # this machine's paths
+                if flag in args:
+                    del args[args.index(flag):args.index(flag) + 2]
             commands.append(f"{label}: `python -m benchmarks.memory_trace {' '.join(args)} "
                             "--json OUT`")
         else:
